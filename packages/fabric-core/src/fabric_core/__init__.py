@@ -1,0 +1,107 @@
+"""fabric-core: the typed WriteImm / ImmCounter contract shared by every fabric backend."""
+
+from __future__ import annotations
+
+import logging
+
+from .api import API_VERSION, Backend, EngineStats, ProbeResult, TransferEngine
+from .counters import Expectation, ImmCounter
+from .errors import (
+    BackendNotInstalled,
+    BackendUnavailable,
+    BackendVersionMismatch,
+    CapabilityError,
+    ConfigError,
+    EngineClosed,
+    FabricError,
+    PeerUnreachable,
+    RemoteAccessError,
+    TransferTimeout,
+    TransportError,
+)
+from .memory import RawMemory
+from .models import (
+    Capabilities,
+    Device,
+    DomainAddress,
+    DomainInfo,
+    MemoryRegion,
+    MemoryRegionDescriptor,
+    NicKey,
+    TopologyGroup,
+)
+from .ops import (
+    BarrierRequest,
+    ImmRequest,
+    Message,
+    PagedWriteRequest,
+    PeerGroup,
+    Pinned,
+    Plan,
+    Request,
+    Routing,
+    ScatterRequest,
+    ScatterTarget,
+    ShardPeers,
+    Sharded,
+    WriteRequest,
+    plan_request,
+)
+from .registry import installed_backends, load_backend, open_engine
+from .rendezvous import Rendezvous
+from .settings import FabricSettings, load_settings
+from .transfer import Transfer
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+__all__ = [
+    "API_VERSION",
+    "Backend",
+    "BackendNotInstalled",
+    "BackendUnavailable",
+    "BackendVersionMismatch",
+    "BarrierRequest",
+    "Capabilities",
+    "CapabilityError",
+    "ConfigError",
+    "Device",
+    "DomainAddress",
+    "DomainInfo",
+    "EngineClosed",
+    "EngineStats",
+    "Expectation",
+    "FabricError",
+    "FabricSettings",
+    "ImmCounter",
+    "ImmRequest",
+    "MemoryRegion",
+    "MemoryRegionDescriptor",
+    "Message",
+    "NicKey",
+    "PagedWriteRequest",
+    "PeerGroup",
+    "PeerUnreachable",
+    "Pinned",
+    "Plan",
+    "ProbeResult",
+    "RawMemory",
+    "RemoteAccessError",
+    "Rendezvous",
+    "Request",
+    "Routing",
+    "ScatterRequest",
+    "ScatterTarget",
+    "ShardPeers",
+    "Sharded",
+    "TopologyGroup",
+    "Transfer",
+    "TransferEngine",
+    "TransferTimeout",
+    "TransportError",
+    "WriteRequest",
+    "installed_backends",
+    "load_backend",
+    "load_settings",
+    "open_engine",
+    "plan_request",
+]

@@ -1,0 +1,238 @@
+"""The ``TransferEngine`` interface every backend implements, and the ``Backend`` class."""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, ClassVar
+
+from .counters import ImmCounter
+from .memory import RawMemory
+from .models import (
+    Capabilities,
+    Device,
+    DomainAddress,
+    DomainInfo,
+    MemoryRegion,
+    MemoryRegionDescriptor,
+    TopologyGroup,
+)
+from .ops import (
+    BarrierRequest,
+    ImmRequest,
+    Message,
+    PagedWriteRequest,
+    PeerGroup,
+    Request,
+    Routing,
+    ScatterRequest,
+    ScatterTarget,
+    ShardPeers,
+    Sharded,
+    WriteRequest,
+    plan_request,
+)
+from .settings import FabricSettings
+from .transfer import Transfer
+
+__all__ = ["API_VERSION", "Backend", "EngineStats", "ProbeResult", "TransferEngine"]
+
+API_VERSION = 1
+"""Version of the backend-facing API; a backend built for another version is refused."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """Counters an operator can watch."""
+
+    submitted: int
+    completed: int
+    failed: int
+    work_requests: int
+    bytes_written: int
+    imms_received: int
+    callback_errors: int
+    registrations: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    """Cheap answer to "can this backend run here?" with the reason when it cannot."""
+
+    available: bool
+    reason: str = ""
+
+
+class TransferEngine(ABC):
+    """One per process (per domain group): registers memory and moves bytes one-sidedly.
+
+    Nothing is ordered: not NICs, not the work requests of one transfer, not transfers.
+    The only completion signal at the target is the count of an imm (``counter(imm)``).
+    """
+
+    # --- identity -----------------------------------------------------------------
+    @property
+    @abstractmethod
+    def address(self) -> DomainAddress:
+        """Main address (NIC 0) of this engine: what peers send control messages to."""
+
+    @property
+    @abstractmethod
+    def capabilities(self) -> Capabilities: ...
+
+    @property
+    @abstractmethod
+    def domains(self) -> tuple[DomainInfo, ...]:
+        """The NICs of this engine's group, in NIC-index order."""
+
+    @property
+    def num_nics(self) -> int:
+        return self.capabilities.num_nics
+
+    @property
+    @abstractmethod
+    def closed(self) -> bool: ...
+
+    @abstractmethod
+    def stats(self) -> EngineStats: ...
+
+    # --- memory -------------------------------------------------------------------
+    @abstractmethod
+    def register(self, memory: object, *, writable: bool | None = None) -> MemoryRegion:
+        """Register a buffer-protocol object, numpy array, torch tensor or ``RawMemory``
+        on every NIC of the group. ``writable=False`` refuses remote writes into it."""
+
+    def register_ptr(self, ptr: int, length: int, device: Device | str = "cpu") -> MemoryRegion:
+        """Register raw memory; the caller keeps it alive until ``deregister``."""
+        return self.register(RawMemory(ptr, length, Device.parse(device)))
+
+    @abstractmethod
+    def deregister(self, region: MemoryRegion) -> None:
+        """Withdraw a registration; later remote writes into it fail at the writer."""
+
+    # --- one-sided ----------------------------------------------------------------
+    @abstractmethod
+    def submit(self, request: Request) -> Transfer:
+        """Validate, then post ``request``. Bad input raises ``ConfigError`` and posts nothing."""
+
+    def imms_at_target(self, request: Request) -> tuple[int, ...]:
+        """What each target of ``request`` would count, without posting it."""
+        return plan_request(request, self.num_nics, self.capabilities.max_msg_size).imms_per_target
+
+    def submit_write(
+        self,
+        src: MemoryRegion,
+        src_offset: int,
+        length: int,
+        dst: MemoryRegionDescriptor,
+        dst_offset: int = 0,
+        *,
+        imm: int | None = None,
+        routing: Routing = Sharded(),
+    ) -> Transfer:
+        return self.submit(WriteRequest(src, src_offset, length, dst, dst_offset, imm, routing))
+
+    def submit_paged_write(
+        self,
+        src: MemoryRegion,
+        src_pages: Any,
+        src_stride: int,
+        dst: MemoryRegionDescriptor,
+        dst_pages: Any,
+        dst_stride: int,
+        page_length: int,
+        *,
+        src_offset: int = 0,
+        dst_offset: int = 0,
+        imm: int | None = None,
+        routing: Routing = Sharded(),
+    ) -> Transfer:
+        return self.submit(
+            PagedWriteRequest(
+                src, src_pages, src_stride, dst, dst_pages, dst_stride, page_length,
+                src_offset, dst_offset, imm, routing,
+            )
+        )
+
+    def submit_scatter(
+        self,
+        src: MemoryRegion,
+        targets: Sequence[ScatterTarget],
+        *,
+        imm: int | None = None,
+        routing: Routing = ShardPeers(),
+        group: PeerGroup | None = None,
+    ) -> Transfer:
+        return self.submit(ScatterRequest(src, tuple(targets), imm, routing, group))
+
+    def submit_imm(self, dst: MemoryRegionDescriptor, imm: int, *, routing: Routing = Sharded(1)) -> Transfer:
+        return self.submit(ImmRequest(dst, imm, routing))
+
+    def submit_barrier(
+        self, dsts: Sequence[MemoryRegionDescriptor], imm: int, *, routing: Routing = ShardPeers()
+    ) -> Transfer:
+        return self.submit(BarrierRequest(tuple(dsts), imm, routing))
+
+    @abstractmethod
+    def peer_group(self, peers: Sequence[DomainAddress | MemoryRegionDescriptor]) -> PeerGroup:
+        """Resolve peers once for repeated scatters (address vectors, connections)."""
+
+    # --- counters -----------------------------------------------------------------
+    @abstractmethod
+    def counter(self, imm: int) -> ImmCounter:
+        """The counter of ``imm`` at this engine (counting since engine start)."""
+
+    # --- two-sided control messages -----------------------------------------------
+    @abstractmethod
+    def submit_send(self, peer: DomainAddress, data: bytes | bytearray | memoryview) -> Transfer:
+        """Send a small message (at most ``capabilities.max_send_size`` bytes) to ``peer``."""
+
+    @abstractmethod
+    def recv(self, timeout: float | None = None) -> Message:
+        """Next control message (any peer); ``TransferTimeout`` at the deadline."""
+
+    async def recv_async(self, timeout: float | None = None) -> Message:
+        return await asyncio.to_thread(self.recv, timeout)
+
+    # --- lifecycle ----------------------------------------------------------------
+    @abstractmethod
+    def close(self, timeout: float | None = None) -> None:
+        """Drain in-flight work up to ``timeout`` s, fail the rest with ``EngineClosed``,
+        deregister memory and join threads. Idempotent."""
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class Backend(ABC):
+    """A backend distribution's entry point (group ``fabric.backends``)."""
+
+    name: ClassVar[str]
+    api_version: ClassVar[int]
+    distribution: ClassVar[str]
+
+    @classmethod
+    @abstractmethod
+    def probe(cls) -> ProbeResult:
+        """Cheap check of library and device presence; never raises."""
+
+    @classmethod
+    @abstractmethod
+    def detect_topology(cls, settings: FabricSettings) -> list[TopologyGroup]:
+        """Domain groups this machine offers (GPU ↔ NICs ↔ CPUs)."""
+
+    @classmethod
+    @abstractmethod
+    def open(cls, settings: FabricSettings) -> TransferEngine:
+        """Open an engine; raises ``BackendUnavailable`` when it cannot run here."""

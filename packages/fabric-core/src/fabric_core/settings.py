@@ -1,0 +1,74 @@
+"""Engine configuration, read from ``FABRIC_*`` environment variables and keyword arguments."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from .errors import ConfigError
+
+__all__ = ["FabricSettings", "load_settings"]
+
+
+class FabricSettings(BaseSettings):
+    """Every knob of fabric. ``fabric info`` prints each with its description and value."""
+
+    model_config = SettingsConfigDict(env_prefix="FABRIC_", extra="forbid", frozen=True)
+
+    backend: str = Field(
+        "auto",
+        description="Backend to open: 'auto' (efa, then verbs), 'efa', 'verbs' or 'sim'.",
+    )
+    nics: Annotated[int, Field(ge=1, le=64)] | None = Field(
+        None,
+        description="NICs per domain group (None: every NIC the topology gives the group; "
+        "the simulator defaults to 2).",
+    )
+    max_msg_size: Annotated[int, Field(ge=64)] | None = Field(
+        None,
+        description="Cap on one work request's bytes, below the provider's own limit. "
+        "Larger shards are split; each piece carries the imm.",
+    )
+    timeout_s: Annotated[float, Field(gt=0)] = Field(
+        60.0,
+        description="Default deadline in seconds for Transfer.wait, counter waits, recv "
+        "and close() draining, when a call gives none.",
+    )
+    recv_depth: Annotated[int, Field(ge=1, le=1 << 16)] = Field(
+        64, description="Receive buffers kept posted for two-sided control messages."
+    )
+    max_send_size: Annotated[int, Field(ge=64, le=1 << 24)] = Field(
+        65536, description="Largest two-sided control message in bytes."
+    )
+    chaos_seed: int | None = Field(
+        None,
+        description="Shuffle shard posting and completion delivery with this seed "
+        "(compiled backends), to exercise consumers unordered on in-order providers.",
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "WARNING", description="Level of the 'fabric_core' loggers when set up by the CLI."
+    )
+    sim_seed: int = Field(0, description="Simulator: seed of every reordering decision.")
+    sim_chunk_bytes: Annotated[int, Field(ge=1)] = Field(
+        65536,
+        description="Simulator: largest chunk a write is cut into; chunks land in shuffled "
+        "order so partial data is visible before the imm.",
+    )
+    sim_link: str | None = Field(
+        None,
+        description="Simulator: link-model preset for a virtual clock "
+        "(e.g. 'cx7-400g', 'efa-p5'); unset means no timing model.",
+    )
+
+
+def load_settings(**overrides: Any) -> FabricSettings:
+    """Settings from the environment, with keyword overrides; bad values raise ConfigError."""
+    try:
+        return FabricSettings(**overrides)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in exc.errors()
+        )
+        raise ConfigError(f"invalid fabric settings: {problems}") from None

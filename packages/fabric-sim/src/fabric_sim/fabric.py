@@ -1,0 +1,418 @@
+"""The simulated fabric: one progress thread moving chunks and completions in seeded order.
+
+Every work request (WR) is cut into chunks; chunks and completions are events with a
+delivery time drawn from the seeded RNG (or from the link model plus jitter). The progress
+thread always delivers the earliest event, so events posted close together land in shuffled
+order: chunks of one WR, WRs of one transfer, and transfers. A WR's imm is counted at the
+target only after all its chunks landed; the sender's completion is a separate event, so the
+two ends see completions in independent orders.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import heapq
+import itertools
+import logging
+import random
+import struct
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from fabric_core.errors import ConfigError, EngineClosed, PeerUnreachable, RemoteAccessError, TransportError
+from fabric_core.models import DomainAddress
+from fabric_core.ops import Plan
+from fabric_core.transfer import Transfer
+
+from .link import LinkModel
+
+if TYPE_CHECKING:
+    from .engine import SimEngine, _Registration
+
+__all__ = ["SimFabric"]
+
+logger = logging.getLogger(__name__)
+
+_ADDR = struct.Struct("<3sIIB")
+_MAGIC = b"SIM"
+_fabric_ids = itertools.count(1)
+
+# event kinds
+_CHUNK, _WR_DONE, _IMM, _LOCAL, _MSG, _CALL = range(6)
+
+
+class _Xfer:
+    """Sender-side state of one transfer."""
+
+    __slots__ = ("engine", "error", "left", "transfer")
+
+    def __init__(self, engine: SimEngine, transfer: Transfer, left: int) -> None:
+        self.engine, self.transfer, self.left = engine, transfer, left
+        self.error: BaseException | None = None
+
+
+class _WR:
+    __slots__ = ("dst", "dst_addr", "error", "imm", "left", "length", "nic", "rkey", "src", "src_ptr", "xfer")
+
+    def __init__(
+        self, xfer: _Xfer, dst: int, nic: int, src_ptr: int, dst_addr: int, length: int,
+        rkey: int, imm: int | None, chunks: int,
+    ) -> None:
+        self.xfer, self.dst, self.nic = xfer, dst, nic
+        self.src = xfer.engine.engine_id
+        self.src_ptr, self.dst_addr, self.length, self.rkey, self.imm = src_ptr, dst_addr, length, rkey, imm
+        self.left = chunks
+        self.error: BaseException | None = None
+
+
+class SimFabric:
+    """A simulated network shared by the engines opened on it (all in this process).
+
+    ``seed`` fixes every reordering decision; ``chunk_bytes`` bounds the chunks writes are cut
+    into; ``link`` adds a virtual clock (``now`` in seconds). Faults: ``fail_peer``,
+    ``fail_nic``, and ``after(n, fn)`` to act after exactly ``n`` more events.
+    """
+
+    def __init__(self, seed: int = 0, *, chunk_bytes: int = 65536, link: LinkModel | None = None) -> None:
+        if chunk_bytes < 1:
+            raise ConfigError("chunk_bytes must be positive")
+        self.fabric_id = next(_fabric_ids)
+        self.seed = seed
+        self.chunk_bytes = chunk_bytes
+        self.link = link
+        self._rng = random.Random(seed)
+        self._cv = threading.Condition(threading.Lock())
+        self._heap: list[tuple[float, int, int, object]] = []
+        self._seq = itertools.count()
+        self._engines: dict[int, SimEngine] = {}
+        self._engine_ids = itertools.count(1)
+        self._dead_nics: set[tuple[int, int]] = set()
+        self._nic_free: dict[tuple[int, int, int], float] = {}
+        self._paused = 0
+        self._busy = False
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._triggers: list[tuple[int, int, Callable[[], None]]] = []
+        self.now = 0.0
+        self.events = 0
+        self.wrs_delivered = 0
+
+    # --- addressing ------------------------------------------------------------------
+    def address(self, engine_id: int, nic: int) -> DomainAddress:
+        return DomainAddress(raw=_ADDR.pack(_MAGIC, self.fabric_id, engine_id, nic))
+
+    def resolve(self, address: DomainAddress) -> int:
+        """Engine id behind ``address``; PeerUnreachable if it is not a live engine here."""
+        raw = address.raw
+        if len(raw) != _ADDR.size or raw[:3] != _MAGIC:
+            raise PeerUnreachable(f"{address} is not a simulator address", peer=str(address))
+        _, fid, eid, _nic = _ADDR.unpack(raw)
+        if fid != self.fabric_id or eid not in self._engines:
+            raise PeerUnreachable(f"no live engine at {address} on this simulated fabric", peer=str(address))
+        return int(eid)
+
+    # --- engines ---------------------------------------------------------------------
+    def attach(self, engine: SimEngine) -> int:
+        with self._cv:
+            eid = next(self._engine_ids)
+            self._engines[eid] = engine
+            if self._thread is None:
+                self._stop = False
+                self._thread = threading.Thread(
+                    target=self._run, name=f"fabric-sim-{self.fabric_id}", daemon=True
+                )
+                self._thread.start()
+            return eid
+
+    def detach(self, engine: SimEngine, exc: BaseException) -> None:
+        """Remove ``engine``: writes to it fail from now on; waits that named it fail."""
+        with self._cv:
+            self._engines.pop(engine.engine_id, None)
+            others = list(self._engines.values())
+            thread = None
+            if not self._engines and self._thread is not None:
+                self._stop = True
+                self._cv.notify_all()
+                thread, self._thread = self._thread, None
+        for other in others:
+            other._peer_lost(engine.address.raw, exc)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    @property
+    def engines(self) -> tuple[SimEngine, ...]:
+        with self._cv:
+            return tuple(self._engines.values())
+
+    def open_engine(self, nics: int = 2, **config: object) -> SimEngine:
+        """An engine with ``nics`` NICs on this fabric; ``config`` as ``FabricSettings``."""
+        from fabric_core.settings import load_settings
+
+        from .engine import SimEngine
+
+        return SimEngine(self, load_settings(backend="sim", **config), nics)
+
+    # --- faults ----------------------------------------------------------------------
+    def fail_peer(self, engine: SimEngine) -> None:
+        """Crash ``engine`` as if its process died: nothing more is sent or received by it;
+        writes to it fail with PeerUnreachable; its own pending work is abandoned."""
+        engine._crash()
+
+    def fail_nic(self, engine: SimEngine, nic: int) -> None:
+        """NIC ``nic`` of ``engine`` goes down: WRs through it fail with TransportError; new
+        traffic of that engine (and traffic to it) moves to its other NICs."""
+        if not 0 <= nic < engine.num_nics:
+            raise ConfigError(f"engine has NICs 0..{engine.num_nics - 1}, not {nic}")
+        with self._cv:
+            self._dead_nics.add((engine.engine_id, nic))
+
+    def restore_nic(self, engine: SimEngine, nic: int) -> None:
+        with self._cv:
+            self._dead_nics.discard((engine.engine_id, nic))
+
+    def after(self, events: int, action: Callable[[], None]) -> None:
+        """Run ``action`` on the progress thread after exactly ``events`` more events."""
+        with self._cv:
+            heapq.heappush(self._triggers, (self.events + events, next(self._seq), action))
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Hold delivery while inside: everything posted meanwhile is then reordered together."""
+        with self._cv:
+            self._paused += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._paused -= 1
+                self._cv.notify_all()
+
+    def quiesce(self, timeout: float = 10.0) -> bool:
+        """Wait until no event is pending (True) or the timeout passes (False)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._heap and not self._busy, timeout)
+
+    # --- posting (called by engines) -------------------------------------------------
+    def _live_nic(self, engine_id: int, peer: int, nic: int, count: int) -> int | None:
+        for step in range(count):
+            n = (nic + step) % count
+            if (engine_id, n) not in self._dead_nics and (peer, n) not in self._dead_nics:
+                return n
+        return None
+
+    def _chunks(self, length: int) -> int:
+        c = -(-length // self.chunk_bytes)
+        return max(c, 2 if length >= 16 else 1)
+
+    def _push(self, t: float, kind: int, payload: object) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), kind, payload))
+
+    def _jitter(self) -> float:
+        return self._rng.random() if self.link is None else self._rng.random() * max(self.link.per_op_s, 1e-9)
+
+    def post(self, engine: SimEngine, plan: Plan, transfer: Transfer, src_ptr: int) -> None:
+        """Queue every WR of ``plan`` (caller holds no fabric lock)."""
+        xfer = _Xfer(engine, transfer, plan.num_wrs)
+        with self._cv:
+            targets: list[int | BaseException] = []
+            for desc in plan.targets:
+                try:
+                    targets.append(self.resolve(desc.peer))
+                except PeerUnreachable as exc:
+                    targets.append(exc)
+            engine._inflight.add(xfer)
+            nics, tgts = plan.nic.tolist(), plan.target.tolist()
+            src_offs, dst_offs, lengths = plan.src_off.tolist(), plan.dst_off.tolist(), plan.length.tolist()
+            count = engine.num_nics
+            for i in range(len(nics)):
+                desc = plan.targets[tgts[i]]
+                dst = targets[tgts[i]]
+                if isinstance(dst, BaseException):
+                    self._push(self.now + self._jitter(), _LOCAL, (xfer, dst, 0))
+                    continue
+                nic = self._live_nic(engine.engine_id, dst, nics[i], count)
+                if nic is None:
+                    err = TransportError("every NIC on the route is down", peer=str(desc.peer), nic=nics[i])
+                    self._push(self.now + self._jitter(), _LOCAL, (xfer, err, 0))
+                    continue
+                length = lengths[i]
+                wr = _WR(
+                    xfer, dst, nic, src_ptr + src_offs[i], desc.ptr + dst_offs[i], length,
+                    desc.nics[nic].rkey, plan.imm, self._chunks(length),
+                )
+                self._post_wr(wr)
+            self._cv.notify_all()
+
+    def _post_wr(self, wr: _WR) -> None:
+        length, parts = wr.length, wr.left
+        size = -(-length // parts) if length else 0
+        if self.link is None:
+            for c in range(parts):
+                off = c * size
+                self._push(self.now + self._rng.random(), _CHUNK, (wr, off, max(0, min(size, length - off))))
+            return
+        link = self.link
+        tx = (wr.src, wr.nic, 0)
+        rx = (wr.dst, wr.nic, 1)
+        start = max(self.now, self._nic_free.get(tx, 0.0)) + link.per_op_s
+        dur = length / link.bytes_per_s
+        self._nic_free[tx] = start + dur
+        rx_start = max(start + link.latency_s, self._nic_free.get(rx, 0.0))
+        self._nic_free[rx] = rx_start + dur
+        for c in range(parts):
+            off = c * size
+            t = rx_start + dur * self._rng.random() if parts > 1 else rx_start + dur
+            self._push(t + self._jitter(), _CHUNK, (wr, off, max(0, min(size, length - off))))
+
+    def post_message(self, engine: SimEngine, peer: DomainAddress, data: bytes, transfer: Transfer) -> None:
+        xfer = _Xfer(engine, transfer, 1)
+        with self._cv:
+            engine._inflight.add(xfer)
+            delay = self._jitter() if self.link is None else self.link.latency_s + self._jitter()
+            self._push(self.now + delay, _MSG, (xfer, peer, data))
+            self._cv.notify_all()
+
+    def forget(self, xfers: list[_Xfer]) -> None:
+        """Make pending events of these transfers no-ops (their engine is gone)."""
+        with self._cv:
+            for x in xfers:
+                x.left = -1
+
+    # --- progress --------------------------------------------------------------------
+    def _run(self) -> None:
+        cv = self._cv
+        while True:
+            with cv:
+                while not self._stop and (not self._heap or self._paused):
+                    self._busy = False
+                    cv.notify_all()
+                    cv.wait()
+                if self._stop:
+                    self._heap.clear()
+                    self._busy = False
+                    cv.notify_all()
+                    return
+                self._busy = True
+                # Handle a bounded batch under the lock, then let submitters in.
+                for _ in range(256):
+                    if not self._heap or self._paused:
+                        break
+                    t, _, kind, payload = heapq.heappop(self._heap)
+                    if t > self.now:
+                        self.now = t
+                    self.events += 1
+                    try:
+                        self._handle(kind, payload)
+                    except Exception:  # a bug here must not kill the fabric
+                        logger.exception("fabric-sim: event handler failed")
+                    while self._triggers and self._triggers[0][0] <= self.events:
+                        action = heapq.heappop(self._triggers)[2]
+                        try:
+                            action()
+                        except Exception:
+                            logger.exception("fabric-sim: scheduled fault action failed")
+
+    def _handle(self, kind: int, payload: object) -> None:
+        if kind == _CHUNK:
+            wr, off, n = payload  # type: ignore[misc]
+            self._land(wr, off, n)
+        elif kind == _WR_DONE:
+            self._wr_done(payload)  # type: ignore[arg-type]
+        elif kind == _IMM:
+            dst, imm, src_raw = payload  # type: ignore[misc]
+            engine = self._engines.get(dst)
+            if engine is not None:
+                engine._counters.add(imm)
+        elif kind == _LOCAL:
+            xfer, err, nbytes = payload  # type: ignore[misc]
+            self._local_done(xfer, err, nbytes)
+        elif kind == _MSG:
+            xfer, peer, data = payload  # type: ignore[misc]
+            self._deliver_message(xfer, peer, data)
+        elif kind == _CALL:
+            payload()  # type: ignore[operator]
+
+    def _land(self, wr: _WR, off: int, n: int) -> None:
+        wr.left -= 1
+        xfer = wr.xfer
+        if wr.error is None and xfer.left >= 0:
+            err = self._check_access(wr, off, n)
+            if err is not None:
+                wr.error = err
+            elif n:
+                ctypes.memmove(wr.dst_addr + off, wr.src_ptr + off, n)
+        if wr.left == 0:
+            self._push(self.now + (self._jitter() if self.link is None else 0.0), _WR_DONE, wr)
+
+    def _check_access(self, wr: _WR, off: int, n: int) -> BaseException | None:
+        src = self._engines.get(wr.src)
+        if src is None:
+            return EngineClosed("sending engine is gone")
+        peer = str(self.address(wr.dst, 0))
+        if (wr.src, wr.nic) in self._dead_nics:
+            return TransportError(f"local NIC {wr.nic} went down", peer=peer, nic=wr.nic)
+        dst = self._engines.get(wr.dst)
+        if dst is None:
+            return PeerUnreachable(f"peer {peer} is gone", peer=peer, nic=wr.nic)
+        if (wr.dst, wr.nic) in self._dead_nics:
+            return TransportError(f"NIC {wr.nic} of peer {peer} went down", peer=peer, nic=wr.nic)
+        reg: _Registration | None = dst._rkeys.get((wr.nic, wr.rkey))
+        if reg is None:
+            return RemoteAccessError(
+                f"peer {peer} has no live registration for this key (deregistered or forged)",
+                peer=peer, nic=wr.nic,
+            )
+        lo = wr.dst_addr + off
+        if lo < reg.ptr or lo + n > reg.ptr + reg.length:
+            return RemoteAccessError(
+                f"write [{lo:#x}, {lo + n:#x}) is outside the peer's registration", peer=peer, nic=wr.nic
+            )
+        return None
+
+    def _wr_done(self, wr: _WR) -> None:
+        xfer = wr.xfer
+        if xfer.left < 0:
+            return
+        if wr.error is None:
+            self.wrs_delivered += 1
+            if wr.imm is not None:
+                delay = self._jitter()
+                self._push(self.now + delay, _IMM, (wr.dst, wr.imm, wr.src))
+        ack = self._jitter() if self.link is None else self.link.latency_s + self._jitter()
+        self._push(self.now + ack, _LOCAL, (xfer, wr.error, wr.length if wr.error is None else 0))
+
+    def _local_done(self, xfer: _Xfer, err: BaseException | None, nbytes: int) -> None:
+        if xfer.left < 0:
+            return
+        engine = xfer.engine
+        if err is not None:
+            if xfer.error is None:
+                xfer.error = err
+            if isinstance(err, TransportError) and err.nic is not None and not isinstance(err, RemoteAccessError):
+                logger.debug("fabric-sim: WR failed on NIC %s: %s", err.nic, err)
+        else:
+            engine._stat_wrs += 1
+            engine._stat_bytes += nbytes
+        xfer.left -= 1
+        if xfer.left == 0:
+            engine._inflight.discard(xfer)
+            if xfer.error is not None:
+                exc = xfer.error
+                if isinstance(exc, TransportError) and exc.transfer_id is None:
+                    exc.transfer_id = xfer.transfer.id
+                engine._stat_failed += 1
+            else:
+                engine._stat_completed += 1
+            xfer.transfer._resolve(xfer.error)
+
+    def _deliver_message(self, xfer: _Xfer, peer: DomainAddress, data: bytes) -> None:
+        err: BaseException | None = None
+        try:
+            target = self._engines[self.resolve(peer)]
+        except PeerUnreachable as exc:
+            err = exc
+        else:
+            target._deliver(xfer.engine.address, data)
+        self._push(self.now + self._jitter(), _LOCAL, (xfer, err, 0))
