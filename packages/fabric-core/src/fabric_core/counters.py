@@ -52,14 +52,17 @@ class Expectation:
 
     def __init__(self, table: CounterTable, imm: int, waiter: _Waiter) -> None:
         self._table, self._imm, self._waiter = table, imm, waiter
+        self._cancelled = False
 
     @property
     def fired(self) -> bool:
-        return self._waiter.settled
+        """The counts were reached (or the wait failed) and the callback was scheduled."""
+        return self._waiter.settled and not self._cancelled
 
     def cancel(self) -> bool:
         """True if withdrawn before firing (no count was consumed)."""
-        return self._table._remove(self._imm, self._waiter)
+        self._cancelled = self._table._remove(self._imm, self._waiter)
+        return self._cancelled
 
 
 class CounterTable:

@@ -109,27 +109,24 @@ class Transfer:
     def done(self) -> bool:
         return self._event.is_set()
 
+    def _wait_done(self, timeout: float | None) -> None:
+        limit = self._default_timeout if timeout is None else timeout
+        if not self._event.wait(None if math.isinf(limit) else limit):
+            raise TransferTimeout(f"transfer {self.id} not complete after {limit:g} s", transfer_id=self.id)
+
     def wait(self, timeout: float | None = None) -> None:
         """Block until done; raise the transfer's error, or TransferTimeout at the deadline.
 
         ``timeout=None`` uses the engine's default (``FABRIC_TIMEOUT_S``); ``math.inf`` waits
         forever. A wait that times out leaves the transfer running.
         """
-        limit = self._default_timeout if timeout is None else timeout
-        if not self._event.wait(None if math.isinf(limit) else limit):
-            raise TransferTimeout(
-                f"transfer {self.id} not complete after {limit:g} s", transfer_id=self.id
-            )
+        self._wait_done(timeout)
         if self._exc is not None:
             raise self._exc
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The error the transfer failed with (None on success); waits like ``wait``."""
-        try:
-            self.wait(timeout)
-        except TransferTimeout as exc:
-            if not self._event.is_set():
-                raise exc from None
+        self._wait_done(timeout)
         return self._exc
 
     def on_done(self, callback: DoneCallback) -> Transfer:

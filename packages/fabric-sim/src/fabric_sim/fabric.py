@@ -67,15 +67,32 @@ class _WR:
         self.error: BaseException | None = None
 
 
+def _trace_key(kind: int, payload: object) -> tuple[int, ...]:
+    """A run-independent name for an event: (transfer id, offset) or (engine, imm)."""
+    if kind == _CHUNK:
+        wr, off, _n = payload  # type: ignore[misc]
+        return (wr.xfer.transfer.id, wr.nic, wr.length, off)
+    if kind == _WR_DONE:
+        return (payload.xfer.transfer.id, payload.nic, payload.length)  # type: ignore[attr-defined]
+    if kind == _IMM:
+        return (payload[0], payload[1])  # type: ignore[index]
+    if kind in (_LOCAL, _MSG):
+        return (payload[0].transfer.id,)  # type: ignore[index]
+    return ()
+
+
 class SimFabric:
     """A simulated network shared by the engines opened on it (all in this process).
 
     ``seed`` fixes every reordering decision; ``chunk_bytes`` bounds the chunks writes are cut
-    into; ``link`` adds a virtual clock (``now`` in seconds). Faults: ``fail_peer``,
+    into; ``link`` adds a virtual clock (``now`` in seconds); ``trace=True`` records every
+    delivered event in ``trace``. Faults: ``fail_peer``,
     ``fail_nic``, and ``after(n, fn)`` to act after exactly ``n`` more events.
     """
 
-    def __init__(self, seed: int = 0, *, chunk_bytes: int = 65536, link: LinkModel | None = None) -> None:
+    def __init__(
+        self, seed: int = 0, *, chunk_bytes: int = 65536, link: LinkModel | None = None, trace: bool = False
+    ) -> None:
         if chunk_bytes < 1:
             raise ConfigError("chunk_bytes must be positive")
         self.fabric_id = next(_fabric_ids)
@@ -96,6 +113,7 @@ class SimFabric:
         self._stop = False
         self._triggers: list[tuple[int, int, Callable[[], None]]] = []
         self.now = 0.0
+        self.trace: list[tuple[int, tuple[int, ...]]] | None = [] if trace else None
         self.events = 0
         self.wrs_delivered = 0
 
@@ -299,20 +317,38 @@ class SimFabric:
                 for _ in range(256):
                     if not self._heap or self._paused:
                         break
-                    t, _, kind, payload = heapq.heappop(self._heap)
-                    if t > self.now:
-                        self.now = t
-                    self.events += 1
-                    try:
-                        self._handle(kind, payload)
-                    except Exception:  # a bug here must not kill the fabric
-                        logger.exception("fabric-sim: event handler failed")
-                    while self._triggers and self._triggers[0][0] <= self.events:
-                        action = heapq.heappop(self._triggers)[2]
-                        try:
-                            action()
-                        except Exception:
-                            logger.exception("fabric-sim: scheduled fault action failed")
+                    self._process_one()
+
+    def _process_one(self) -> None:
+        t, _, kind, payload = heapq.heappop(self._heap)
+        if t > self.now:
+            self.now = t
+        self.events += 1
+        if self.trace is not None:
+            self.trace.append((kind, _trace_key(kind, payload)))
+        try:
+            self._handle(kind, payload)
+        except Exception:  # a bug here must not kill the fabric
+            logger.exception("fabric-sim: event handler failed")
+        while self._triggers and self._triggers[0][0] <= self.events:
+            action = heapq.heappop(self._triggers)[2]
+            try:
+                action()
+            except Exception:
+                logger.exception("fabric-sim: scheduled fault action failed")
+
+    def step(self, events: int = 1) -> int:
+        """Deliver up to ``events`` pending events in the calling thread; returns how many.
+
+        Use inside ``paused()`` to walk a run one event at a time (deterministic per seed).
+        """
+        with self._cv:
+            done = 0
+            while done < events and self._heap:
+                self._process_one()
+                done += 1
+            self._cv.notify_all()
+            return done
 
     def _handle(self, kind: int, payload: object) -> None:
         if kind == _CHUNK:

@@ -1,0 +1,811 @@
+"""The conformance suite: every statement of the contract (docs/concepts) has a test here.
+
+Tests never assume an order. They wait on counters with deadlines, check exact bytes inside
+and outside the target range, exact counts (no more, no fewer) and exact error types.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ..api import TransferEngine
+from ..errors import (
+    CapabilityError,
+    ConfigError,
+    EngineClosed,
+    PeerUnreachable,
+    RemoteAccessError,
+    TransferTimeout,
+    TransportError,
+)
+from ..memory import RawMemory
+from ..models import MemoryRegion, MemoryRegionDescriptor
+from ..ops import (
+    BarrierRequest,
+    ImmRequest,
+    PagedWriteRequest,
+    Pinned,
+    Request,
+    Routing,
+    ScatterRequest,
+    ScatterTarget,
+    ShardPeers,
+    Sharded,
+    WriteRequest,
+)
+from .harness import Harness
+
+T = 10.0  # every wait in the suite is bounded by this many seconds
+CANARY = 0xA5
+U8 = np.dtype(np.uint8)
+Buf = np.ndarray[Any, np.dtype[np.uint8]]
+
+
+def _data(n: int, seed: int) -> Buf:
+    out: Buf = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+    # never the canary value, so a landed byte is always distinguishable
+    out[out == CANARY] = CANARY + 1
+    return out
+
+
+def _canary(n: int) -> Buf:
+    return np.full(n, CANARY, dtype=np.uint8)
+
+
+def _eventually(pred: Callable[[], bool], timeout: float = T) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.001)
+    return pred()
+
+
+@dataclass
+class Pair:
+    a: TransferEngine
+    b: TransferEngine
+    src: Buf
+    dst: Buf
+    src_mr: MemoryRegion
+    dst_mr: MemoryRegion
+
+    @property
+    def desc(self) -> MemoryRegionDescriptor:
+        return self.dst_mr.descriptor
+
+
+def _pair(h: Harness, nics: int = 1, size: int = 1 << 16, **config: Any) -> Pair:
+    a = h.open_engine(nics, **config)
+    b = h.open_engine(nics, **config)
+    src, dst = _data(size, 1), _canary(size)
+    return Pair(a, b, src, dst, a.register(src), b.register(dst))
+
+
+def _nics_ok(h: Harness, nics: int) -> None:
+    if nics > h.max_nics:
+        pytest.skip(f"harness offers at most {h.max_nics} NICs")
+
+
+def _faults(h: Harness) -> None:
+    if not h.supports_faults:
+        pytest.skip("harness cannot inject faults")
+
+
+def _assert_no_extra(engine: TransferEngine, imm: int, h: Harness) -> None:
+    h.settle()
+    assert engine.counter(imm).value == 0, "target counted more imms than imms_at_target"
+
+
+ROUTINGS: dict[str, Callable[[int], Routing]] = {
+    "sharded-all": lambda n: Sharded(),
+    "sharded-1": lambda n: Sharded(1),
+    "pinned-last": lambda n: Pinned(n - 1),
+}
+NICS = (1, 2, 4)
+
+
+class _Base:
+    @pytest.fixture
+    def h(self, fabric_harness: Harness) -> Harness:
+        return fabric_harness
+
+
+# --------------------------------------------------------------------------------------
+class WriteConformance(_Base):
+    """Single writes land exactly the requested bytes and nothing else."""
+
+    @pytest.mark.parametrize("nics", NICS)
+    @pytest.mark.parametrize("route", sorted(ROUTINGS))
+    def test_write_lands_exact_bytes(self, h: Harness, nics: int, route: str) -> None:
+        _nics_ok(h, nics)
+        p = _pair(h, nics, size=1 << 16)
+        length, so, do = 3 * 4096 * nics + 123, 77, 1001
+        t = p.a.submit_write(p.src_mr, so, length, p.desc, do, imm=5, routing=ROUTINGS[route](nics))
+        p.b.counter(5).wait(t.imms_at_target, timeout=T)
+        t.wait(T)
+        assert np.array_equal(p.dst[do : do + length], p.src[so : so + length])
+        assert (p.dst[:do] == CANARY).all() and (p.dst[do + length :] == CANARY).all()
+        _assert_no_extra(p.b, 5, h)
+
+    def test_write_without_imm_lands_and_counts_nothing(self, h: Harness) -> None:
+        p = _pair(h, min(2, h.max_nics))
+        t = p.a.submit_write(p.src_mr, 0, 50_000, p.desc, 0)
+        assert t.imms_at_target == 0
+        t.wait(T)  # a completed transfer's bytes are in place at the target
+        assert np.array_equal(p.dst[:50_000], p.src[:50_000])
+        assert (p.dst[50_000:] == CANARY).all()
+        h.settle()
+        assert p.b.stats().imms_received == 0
+
+    def test_zero_length_write_with_imm_counts_one(self, h: Harness) -> None:
+        p = _pair(h)
+        t = p.a.submit_write(p.src_mr, 0, 0, p.desc, p.desc.length, imm=9)
+        assert t.imms_at_target == 1
+        p.b.counter(9).wait(1, timeout=T)
+        t.wait(T)
+        assert (p.dst == CANARY).all()
+        _assert_no_extra(p.b, 9, h)
+
+    def test_imm_only_write_counts_one_and_moves_no_bytes(self, h: Harness) -> None:
+        p = _pair(h, min(2, h.max_nics))
+        t = p.a.submit_imm(p.desc, 0xFFFFFFFF)
+        assert t.imms_at_target == 1
+        p.b.counter(0xFFFFFFFF).wait(1, timeout=T)
+        t.wait(T)
+        assert (p.dst == CANARY).all()
+        _assert_no_extra(p.b, 0xFFFFFFFF, h)
+
+    @pytest.mark.parametrize("nics", (1, 2))
+    def test_write_larger_than_max_msg_size_is_split(self, h: Harness, nics: int) -> None:
+        _nics_ok(h, nics)
+        p = _pair(h, nics, size=1 << 17, max_msg_size=4096)
+        assert p.a.capabilities.max_msg_size == 4096
+        length = 5 * 4096 * nics + 17
+        req = WriteRequest(p.src_mr, 3, length, p.desc, 5, imm=11)
+        t = p.a.submit(req)
+        assert t.imms_at_target >= -(-length // 4096)
+        assert t.imms_per_target == p.a.imms_at_target(req)
+        p.b.counter(11).wait(t.imms_at_target, timeout=T)
+        t.wait(T)
+        assert np.array_equal(p.dst[5 : 5 + length], p.src[3 : 3 + length])
+        assert (p.dst[:5] == CANARY).all() and (p.dst[5 + length :] == CANARY).all()
+        _assert_no_extra(p.b, 11, h)
+
+    def test_descriptor_round_trip_through_bytes_and_json(self, h: Harness) -> None:
+        p = _pair(h)
+        for desc in (
+            MemoryRegionDescriptor.from_bytes(p.desc.to_bytes()),
+            MemoryRegionDescriptor.from_json(p.desc.model_dump_json()),
+        ):
+            assert desc == p.desc
+            p.dst[:] = CANARY
+            t = p.a.submit_write(p.src_mr, 0, 4096, desc, 0, imm=3)
+            p.b.counter(3).wait(t.imms_at_target, timeout=T)
+            assert np.array_equal(p.dst[:4096], p.src[:4096])
+
+
+# --------------------------------------------------------------------------------------
+class PagedConformance(_Base):
+    """Paged writes land every page at its index and nothing between pages."""
+
+    @pytest.mark.parametrize("nics", NICS)
+    @pytest.mark.parametrize("route", sorted(ROUTINGS))
+    def test_paged_write_lands_every_page(self, h: Harness, nics: int, route: str) -> None:
+        _nics_ok(h, nics)
+        plen, sstride, dstride, pages = 257, 300, 512, 48
+        p = _pair(h, nics, size=128 * 512)
+        rng = np.random.default_rng(7)
+        src_idx = rng.permutation(pages)
+        dst_idx = rng.choice(128, pages, replace=False)
+        t = p.a.submit_paged_write(
+            p.src_mr, src_idx, sstride, p.desc, dst_idx, dstride, plen, src_offset=11, dst_offset=3,
+            imm=21, routing=ROUTINGS[route](nics),
+        )
+        assert t.imms_at_target == pages
+        p.b.counter(21).wait(pages, timeout=T)
+        t.wait(T)
+        expect = _canary(p.dst.size)
+        for s, d in zip(src_idx.tolist(), dst_idx.tolist()):
+            expect[3 + d * dstride : 3 + d * dstride + plen] = p.src[11 + s * sstride : 11 + s * sstride + plen]
+        assert np.array_equal(p.dst, expect)
+        _assert_no_extra(p.b, 21, h)
+
+    @pytest.mark.parametrize("kind", ["list", "int32", "uint16", "torch"])
+    def test_paged_write_accepts_index_arrays(self, h: Harness, kind: str) -> None:
+        p = _pair(h)
+        idx: Any = [3, 0, 2]
+        if kind == "int32":
+            idx = np.array(idx, np.int32)
+        elif kind == "uint16":
+            idx = np.array(idx, np.uint16)
+        elif kind == "torch":
+            torch = pytest.importorskip("torch")
+            idx = torch.tensor(idx, dtype=torch.int64)
+        t = p.a.submit_paged_write(p.src_mr, idx, 1024, p.desc, idx, 1024, 1024, imm=4)
+        p.b.counter(4).wait(3, timeout=T)
+        for i in (0, 2, 3):
+            assert np.array_equal(p.dst[i * 1024 : (i + 1) * 1024], p.src[i * 1024 : (i + 1) * 1024])
+        assert (p.dst[1024:2048] == CANARY).all()
+        t.wait(T)
+
+    def test_paged_pages_above_max_msg_size_are_split(self, h: Harness) -> None:
+        p = _pair(h, 1, size=1 << 16, max_msg_size=4096)
+        t = p.a.submit_paged_write(p.src_mr, [0, 1], 10_000, p.desc, [1, 0], 10_000, 10_000, imm=8)
+        assert t.imms_at_target == 2 * 3
+        p.b.counter(8).wait(6, timeout=T)
+        assert np.array_equal(p.dst[10_000:20_000], p.src[:10_000])
+        assert np.array_equal(p.dst[:10_000], p.src[10_000:20_000])
+        _assert_no_extra(p.b, 8, h)
+
+
+# --------------------------------------------------------------------------------------
+class ScatterConformance(_Base):
+    """Scatters and barriers reach every target with the counts they report."""
+
+    def _fleet(self, h: Harness, nics: int) -> tuple[TransferEngine, MemoryRegion, Buf, list[tuple[TransferEngine, Buf, MemoryRegion]]]:
+        a = h.open_engine(nics)
+        src = _data(1 << 16, 2)
+        targets = []
+        for _ in range(3):
+            e = h.open_engine(nics)
+            buf = _canary(1 << 15)
+            targets.append((e, buf, e.register(buf)))
+        return a, a.register(src), src, targets
+
+    @pytest.mark.parametrize("nics", (1, 2, 4))
+    @pytest.mark.parametrize("route", ["shard-peers", "sharded", "pinned"])
+    def test_scatter_reaches_every_target(self, h: Harness, nics: int, route: str) -> None:
+        _nics_ok(h, nics)
+        a, mr, src, targets = self._fleet(h, nics)
+        routing: Routing = {"shard-peers": ShardPeers(), "sharded": Sharded(), "pinned": Pinned(nics - 1)}[route]
+        spec = [(9000 + 4096 * j, 100 * j, 7 * j) for j in range(3)]
+        t = a.submit_scatter(
+            mr,
+            [ScatterTarget(reg.descriptor, n, so, do) for (_, _, reg), (n, so, do) in zip(targets, spec)],
+            imm=31,
+            routing=routing,
+        )
+        assert len(t.imms_per_target) == 3
+        for (e, buf, _), (n, so, do), imms in zip(targets, spec, t.imms_per_target):
+            e.counter(31).wait(imms, timeout=T)
+            assert np.array_equal(buf[do : do + n], src[so : so + n])
+            assert (buf[:do] == CANARY).all() and (buf[do + n :] == CANARY).all()
+        t.wait(T)
+        for e, _, _ in targets:
+            _assert_no_extra(e, 31, h)
+
+    def test_scatter_through_peer_group_is_reusable(self, h: Harness) -> None:
+        a, mr, src, targets = self._fleet(h, 1)
+        group = a.peer_group([reg.descriptor for _, _, reg in targets])
+        for step in range(3):
+            t = a.submit_scatter(
+                mr, [ScatterTarget(reg.descriptor, 512, step * 512, step * 512) for _, _, reg in targets],
+                imm=40 + step, group=group,
+            )
+            for (e, buf, _), imms in zip(targets, t.imms_per_target):
+                e.counter(40 + step).wait(imms, timeout=T)
+                assert np.array_equal(buf[step * 512 : step * 512 + 512], src[step * 512 : step * 512 + 512])
+
+    def test_scatter_outside_peer_group_is_rejected(self, h: Harness) -> None:
+        a, mr, _, targets = self._fleet(h, 1)
+        group = a.peer_group([targets[0][2].descriptor])
+        with pytest.raises(ConfigError, match="peer group"):
+            a.submit_scatter(mr, [ScatterTarget(targets[1][2].descriptor, 8)], imm=1, group=group)
+        assert a.stats().submitted == 0
+
+    def test_barrier_counts_one_per_destination(self, h: Harness) -> None:
+        a, _, _, targets = self._fleet(h, min(2, h.max_nics))
+        t = a.submit_barrier([reg.descriptor for _, _, reg in targets], 77)
+        assert t.imms_per_target == (1, 1, 1)
+        for e, buf, _ in targets:
+            e.counter(77).wait(1, timeout=T)
+            assert (buf == CANARY).all()
+        t.wait(T)
+        for e, _, _ in targets:
+            _assert_no_extra(e, 77, h)
+
+
+# --------------------------------------------------------------------------------------
+def _requests(p: Pair, nics: int) -> dict[str, Request]:
+    d = p.desc
+    return {
+        "write-sharded": WriteRequest(p.src_mr, 0, 40_000, d, 0, 1, Sharded()),
+        "write-sharded-2": WriteRequest(p.src_mr, 0, 40_000, d, 0, 1, Sharded(min(2, nics))),
+        "write-pinned": WriteRequest(p.src_mr, 0, 40_000, d, 0, 1, Pinned(nics - 1)),
+        "write-small": WriteRequest(p.src_mr, 0, 8, d, 0, 1, Sharded()),
+        "paged-sharded": PagedWriteRequest(p.src_mr, np.arange(10), 1000, d, np.arange(10), 1000, 1000, 0, 0, 1),
+        "paged-pinned": PagedWriteRequest(p.src_mr, [1, 2], 1000, d, [2, 1], 1000, 999, 0, 0, 1, Pinned(0)),
+        "scatter-peers": ScatterRequest(p.src_mr, [ScatterTarget(d, 30_000), ScatterTarget(d, 5, 0, 40_000)], 1),
+        "scatter-bytes": ScatterRequest(p.src_mr, [ScatterTarget(d, 30_000), ScatterTarget(d, 5, 0, 40_000)], 1, Sharded()),
+        "imm": ImmRequest(d, 1),
+        "barrier": BarrierRequest([d, d], 1),
+    }
+
+
+class RoutingConformance(_Base):
+    """``imms_at_target`` is exactly what the target counts, for every request and routing."""
+
+    @pytest.mark.parametrize("nics", NICS)
+    @pytest.mark.parametrize(
+        "kind",
+        ["write-sharded", "write-sharded-2", "write-pinned", "write-small", "paged-sharded",
+         "paged-pinned", "scatter-peers", "scatter-bytes", "imm", "barrier"],
+    )
+    def test_imms_at_target_matches_count(self, h: Harness, nics: int, kind: str) -> None:
+        _nics_ok(h, nics)
+        p = _pair(h, nics)
+        req = _requests(p, nics)[kind]
+        t = p.a.submit(req)
+        assert t.imms_per_target == p.a.imms_at_target(req)
+        assert t.imms_at_target >= 1
+        p.b.counter(1).wait(t.imms_at_target, timeout=T)
+        t.wait(T)
+        _assert_no_extra(p.b, 1, h)
+
+
+# --------------------------------------------------------------------------------------
+class CounterConformance(_Base):
+    """Counters: early arrivals kept, waits consume, concurrent waiters, re-arming, async."""
+
+    def test_imm_arriving_before_wait_is_counted(self, h: Harness) -> None:
+        p = _pair(h)
+        for _ in range(3):
+            p.a.submit_imm(p.desc, 12).wait(T)
+        assert _eventually(lambda: p.b.counter(12).value == 3)
+        p.b.counter(12).wait(3, timeout=0.5)
+        assert p.b.counter(12).value == 0
+
+    def test_wait_consumes_counts(self, h: Harness) -> None:
+        p = _pair(h)
+        for _ in range(3):
+            p.a.submit_imm(p.desc, 13)
+        c = p.b.counter(13)
+        c.wait(2, timeout=T)
+        c.wait(1, timeout=T)
+        with pytest.raises(TransferTimeout) as info:
+            c.wait(1, timeout=0.05)
+        assert info.value.expected == {13: 1} and info.value.received == {13: 0}
+
+    def test_timeout_reports_expected_and_received_and_consumes_nothing(self, h: Harness) -> None:
+        p = _pair(h)
+        for _ in range(2):
+            p.a.submit_imm(p.desc, 14)
+        assert _eventually(lambda: p.b.counter(14).value == 2)
+        with pytest.raises(TransferTimeout) as info:
+            p.b.counter(14).wait(5, timeout=0.05)
+        assert info.value.expected == {14: 5} and info.value.received == {14: 2}
+        assert "expected 5, received 2" in str(info.value)
+        assert p.b.counter(14).value == 2
+
+    def test_concurrent_waiters_each_get_their_counts(self, h: Harness) -> None:
+        p = _pair(h)
+        errors: list[BaseException] = []
+
+        def waiter() -> None:
+            try:
+                p.b.counter(15).wait(5, timeout=T)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=waiter) for _ in range(4)]
+        for th in threads:
+            th.start()
+        for _ in range(20):
+            p.a.submit_imm(p.desc, 15)
+        for th in threads:
+            th.join(T + 1)
+        assert not errors and not any(th.is_alive() for th in threads)
+        _assert_no_extra(p.b, 15, h)
+
+    def test_expect_fires_once_and_rearm_keeps_overflow(self, h: Harness) -> None:
+        p = _pair(h)
+        fired: list[int] = []
+        for _ in range(5):
+            p.a.submit_imm(p.desc, 16)
+        assert _eventually(lambda: p.b.counter(16).value == 5)
+        first = threading.Event()
+        p.b.counter(16).expect(3, lambda: (fired.append(3), first.set()) and None)
+        assert first.wait(T)
+        assert p.b.counter(16).value == 2  # re-arming never discards the overflow
+        second = threading.Event()
+        p.b.counter(16).expect(2, lambda: (fired.append(2), second.set()) and None)
+        assert second.wait(T)
+        time.sleep(0.05)
+        assert fired == [3, 2] and p.b.counter(16).value == 0
+
+    def test_expect_cancel_consumes_nothing(self, h: Harness) -> None:
+        p = _pair(h)
+        e = p.b.counter(17).expect(2, lambda: None)
+        assert e.cancel() and not e.fired
+        p.a.submit_imm(p.desc, 17)
+        assert _eventually(lambda: p.b.counter(17).value == 1)
+
+    def test_async_counter_wait_and_awaitable_transfer(self, h: Harness) -> None:
+        p = _pair(h, min(2, h.max_nics))
+
+        async def main() -> None:
+            t = p.a.submit_write(p.src_mr, 0, 30_000, p.desc, 0, imm=18)
+            await p.b.counter(18).wait_async(t.imms_at_target, timeout=T)
+            await asyncio.wait_for(asyncio.ensure_future(_await(t)), T)
+            with pytest.raises(TransferTimeout):
+                await p.b.counter(18).wait_async(1, timeout=0.05)
+
+        asyncio.run(main())
+        assert np.array_equal(p.dst[:30_000], p.src[:30_000])
+
+    def test_counts_exact_under_reordering(self, h: Harness) -> None:
+        nics = min(4, h.max_nics)
+        p = _pair(h, nics, size=1 << 18)
+        expected: dict[int, int] = {100: 0, 101: 0, 102: 0}
+        with h.hold():
+            for i in range(60):
+                imm = 100 + i % 3
+                routing: Routing = Pinned(i % nics) if i % 2 else Sharded()
+                t = p.a.submit_write(p.src_mr, 0, 1 + 997 * i, p.desc, 4096 * (i % 8), imm=imm, routing=routing)
+                expected[imm] += t.imms_at_target
+        for imm, n in expected.items():
+            p.b.counter(imm).wait(n, timeout=T)
+        for imm in expected:
+            _assert_no_extra(p.b, imm, h)
+
+    def test_data_in_place_when_counted(self, h: Harness) -> None:
+        nics = min(4, h.max_nics)
+        p = _pair(h, nics, size=1 << 18)
+        transfers = []
+        with h.hold():
+            for i in range(16):
+                transfers.append(p.a.submit_write(p.src_mr, 16_000 * i, 15_000, p.desc, 16_000 * i, imm=200 + i))
+        for i in reversed(range(16)):
+            p.b.counter(200 + i).wait(transfers[i].imms_at_target, timeout=T)
+            lo = 16_000 * i
+            assert np.array_equal(p.dst[lo : lo + 15_000], p.src[lo : lo + 15_000])
+
+
+async def _await(t: Any) -> None:
+    await t
+
+
+# --------------------------------------------------------------------------------------
+@dataclass
+class _Bad:
+    make: Callable[[Pair, dict[str, Any]], object]
+    error: type[BaseException] = ConfigError
+    match: str = ""
+
+
+def _other_src(p: Pair, ctx: dict[str, Any]) -> object:
+    return p.a.submit_write(ctx["foreign"], 0, 8, p.desc, 0, imm=1)
+
+
+def _deregistered(p: Pair, ctx: dict[str, Any]) -> object:
+    mr = p.a.register(ctx["scratch"])
+    p.a.deregister(mr)
+    return p.a.submit_write(mr, 0, 8, p.desc, 0, imm=1)
+
+
+BAD: dict[str, _Bad] = {
+    "dst-out-of-bounds": _Bad(lambda p, c: p.a.submit_write(p.src_mr, 0, 16, p.desc, p.desc.length - 8, imm=1), match="exceed"),
+    "src-out-of-bounds": _Bad(lambda p, c: p.a.submit_write(p.src_mr, p.src_mr.length - 8, 16, p.desc, 0, imm=1), match="exceed"),
+    "negative-length": _Bad(lambda p, c: p.a.submit_write(p.src_mr, 0, -1, p.desc, 0, imm=1), match="non-negative"),
+    "negative-offset": _Bad(lambda p, c: p.a.submit_write(p.src_mr, -8, 8, p.desc, 0, imm=1), match="non-negative"),
+    "overflowing-length": _Bad(lambda p, c: p.a.submit_write(p.src_mr, 0, 1 << 64, p.desc, 0, imm=1), match="2\\*\\*63"),
+    "float-length": _Bad(lambda p, c: p.a.submit_write(p.src_mr, 0, 8.0, p.desc, 0, imm=1), match="int"),  # type: ignore[arg-type]
+    "imm-negative": _Bad(lambda p, c: p.a.submit_write(p.src_mr, 0, 8, p.desc, 0, imm=-1), match="out of range"),
+    "imm-too-large": _Bad(lambda p, c: p.a.submit_write(p.src_mr, 0, 8, p.desc, 0, imm=1 << 32), match="out of range"),
+    "imm-not-int": _Bad(lambda p, c: p.a.submit_imm(p.desc, "1"), match="int"),  # type: ignore[arg-type]
+    "foreign-source": _Bad(_other_src, match="not registered"),
+    "deregistered-source": _Bad(_deregistered, match="not registered"),
+    "wrong-nic-count": _Bad(lambda p, c: p.a.submit_write(p.src_mr, 0, 8, c["one_nic_desc"], 0, imm=1), match="NIC"),
+    "read-only-target": _Bad(lambda p, c: p.a.submit_write(p.src_mr, 0, 8, c["ro_desc"], 0, imm=1), match="read-only"),
+    "pinned-out-of-range": _Bad(lambda p, c: p.a.submit_write(p.src_mr, 0, 8, p.desc, 0, imm=1, routing=Pinned(9)), match="NIC"),
+    "sharded-too-many": _Bad(lambda p, c: p.a.submit_write(p.src_mr, 0, 8, p.desc, 0, imm=1, routing=Sharded(9)), match="NICs"),
+    "shard-peers-on-write": _Bad(lambda p, c: p.a.submit_write(p.src_mr, 0, 8, p.desc, 0, imm=1, routing=ShardPeers()), match="ShardPeers"),
+    "paged-page-out-of-range": _Bad(lambda p, c: p.a.submit_paged_write(p.src_mr, [0], 64, p.desc, [10_000], 64, 64, imm=1), match="destination page"),
+    "paged-negative-index": _Bad(lambda p, c: p.a.submit_paged_write(p.src_mr, [-1], 64, p.desc, [0], 64, 64, imm=1), match="negative"),
+    "paged-duplicate-dst": _Bad(lambda p, c: p.a.submit_paged_write(p.src_mr, [0, 1], 64, p.desc, [2, 2], 64, 64, imm=1), match="twice"),
+    "paged-overlapping-stride": _Bad(lambda p, c: p.a.submit_paged_write(p.src_mr, [0, 1], 64, p.desc, [0, 1], 32, 64, imm=1), match="overlap"),
+    "paged-length-mismatch": _Bad(lambda p, c: p.a.submit_paged_write(p.src_mr, [0, 1], 64, p.desc, [0], 64, 64, imm=1), match="entries"),
+    "paged-float-indices": _Bad(lambda p, c: p.a.submit_paged_write(p.src_mr, [0.5], 64, p.desc, [0], 64, 64, imm=1), match="integers"),
+    "scatter-no-targets": _Bad(lambda p, c: p.a.submit_scatter(p.src_mr, [], imm=1), match="at least one"),
+    "barrier-no-dsts": _Bad(lambda p, c: p.a.submit_barrier([], 1), match="at least one"),
+    "not-a-request": _Bad(lambda p, c: p.a.submit("write 8 bytes"), match="request"),  # type: ignore[arg-type]
+    "send-too-large": _Bad(lambda p, c: p.a.submit_send(p.b.address, b"x" * (p.a.capabilities.max_send_size + 1)), match="max_send_size"),
+}
+
+
+class ValidationConformance(_Base):
+    """Bad input raises a typed error, posts nothing, and leaves the engine usable."""
+
+    @pytest.mark.parametrize("case", sorted(BAD))
+    def test_bad_request_raises_and_posts_nothing(self, h: Harness, case: str) -> None:
+        p = _pair(h, min(2, h.max_nics))
+        one = h.open_engine(1)
+        other = h.open_engine(p.a.num_nics)
+        ro = np.zeros(64, np.uint8)
+        ro.flags.writeable = False
+        scratch = np.zeros(64, np.uint8)
+        ctx = {
+            "one_nic_desc": one.register(np.zeros(64, np.uint8)).descriptor,
+            "ro_desc": p.b.register(ro).descriptor,
+            "foreign": other.register(np.zeros(64, np.uint8)),
+            "scratch": scratch,
+        }
+        if case == "wrong-nic-count" and p.a.num_nics == 1:
+            ctx["one_nic_desc"] = h.open_engine(2).register(np.zeros(64, np.uint8)).descriptor if h.max_nics >= 2 else None
+            if ctx["one_nic_desc"] is None:
+                pytest.skip("needs two NIC counts")
+        bad = BAD[case]
+        before = p.a.stats().submitted
+        with pytest.raises(bad.error, match=bad.match):
+            bad.make(p, ctx)
+        assert p.a.stats().submitted == before
+        h.settle()
+        assert p.b.stats().imms_received == 0 and (p.dst == CANARY).all()
+        # still usable
+        t = p.a.submit_write(p.src_mr, 0, 64, p.desc, 0, imm=2)
+        p.b.counter(2).wait(t.imms_at_target, timeout=T)
+        assert np.array_equal(p.dst[:64], p.src[:64])
+
+    def test_register_rejects_what_cannot_be_registered(self, h: Harness) -> None:
+        e = h.open_engine(1)
+        with pytest.raises(ConfigError, match="contiguous"):
+            e.register(np.zeros((8, 8), np.uint8)[:, ::2])
+        with pytest.raises(ConfigError, match="empty"):
+            e.register(bytearray())
+        with pytest.raises(ConfigError, match="cannot register"):
+            e.register(object())
+        with pytest.raises(ConfigError, match="read-only"):
+            e.register(b"immutable bytes", writable=True)
+        with pytest.raises(ConfigError):
+            e.register_ptr(0, 64)
+        assert e.stats().registrations == 0
+
+    def test_read_only_buffer_registers_as_read_only(self, h: Harness) -> None:
+        e = h.open_engine(1)
+        mr = e.register(b"read-only source bytes")
+        assert not mr.descriptor.writable and mr.length == 22
+
+    def test_cuda_memory_without_capability_fails_at_registration(self, h: Harness) -> None:
+        e = h.open_engine(1)
+        if e.capabilities.cuda_memory:
+            pytest.skip("backend carries CUDA memory")
+        with pytest.raises(CapabilityError):
+            e.register(RawMemory(0x10000, 4096, "cuda:0"))
+        assert e.stats().registrations == 0
+
+
+# --------------------------------------------------------------------------------------
+class SendRecvConformance(_Base):
+    """Two-sided control messages."""
+
+    def test_send_recv_round_trip(self, h: Harness) -> None:
+        p = _pair(h)
+        p.a.submit_send(p.b.address, b"hello").wait(T)
+        msg = p.b.recv(timeout=T)
+        assert msg.data == b"hello" and msg.peer == p.a.address
+
+    def test_every_message_arrives_once(self, h: Harness) -> None:
+        p = _pair(h)
+        with h.hold():
+            for i in range(50):
+                p.a.submit_send(p.b.address, i.to_bytes(2, "little"))
+        got = sorted(int.from_bytes(p.b.recv(timeout=T).data, "little") for _ in range(50))
+        assert got == list(range(50))
+        with pytest.raises(TransferTimeout):
+            p.b.recv(timeout=0.05)
+
+
+# --------------------------------------------------------------------------------------
+class CallbackConformance(_Base):
+    """User callbacks run off the progress path; raising or slow ones never stop the engine."""
+
+    def test_raising_callback_does_not_stop_engine(self, h: Harness) -> None:
+        p = _pair(h)
+
+        def boom(_t: object) -> None:
+            raise RuntimeError("user bug")
+
+        done = threading.Event()
+        p.a.submit_write(p.src_mr, 0, 100, p.desc, 0, imm=3).on_done(boom)
+        t2 = p.a.submit_write(p.src_mr, 100, 100, p.desc, 100, imm=3).on_done(lambda _t: done.set())
+        assert done.wait(T)
+        t2.wait(T)
+        p.b.counter(3).wait(2, timeout=T)
+        assert _eventually(lambda: p.a.stats().callback_errors >= 1)
+
+    def test_blocked_callback_does_not_stall_transfers(self, h: Harness) -> None:
+        p = _pair(h)
+        release, entered = threading.Event(), threading.Event()
+
+        def slow(_t: object) -> None:
+            entered.set()
+            release.wait(T)
+
+        p.a.submit_write(p.src_mr, 0, 100, p.desc, 0, imm=3).on_done(slow)
+        try:
+            assert entered.wait(T)
+            t = p.a.submit_write(p.src_mr, 100, 100, p.desc, 100, imm=4)
+            p.b.counter(4).wait(1, timeout=T)  # progress goes on while a callback blocks
+            t.wait(T)
+        finally:
+            release.set()
+
+    def test_on_error_gets_typed_error(self, h: Harness) -> None:
+        p = _pair(h)
+        p.b.deregister(p.dst_mr)
+        got: list[BaseException] = []
+        ev = threading.Event()
+        t = p.a.submit_write(p.src_mr, 0, 100, p.desc, 0, imm=3).on_error(lambda _t, e: (got.append(e), ev.set()) and None)
+        assert ev.wait(T)
+        assert isinstance(got[0], RemoteAccessError) and t.exception(T) is got[0]
+        assert (p.dst == CANARY).all()
+
+    def test_callback_added_after_completion_runs(self, h: Harness) -> None:
+        p = _pair(h)
+        t = p.a.submit_imm(p.desc, 3)
+        t.wait(T)
+        ran: list[bool] = []
+        t.on_done(lambda _t: ran.append(True))
+        assert ran == [True]
+
+
+# --------------------------------------------------------------------------------------
+class FaultConformance(_Base):
+    """Peer death and NIC death give typed errors on both sides; nothing hangs; survivors keep
+    exact counts."""
+
+    def test_peer_death_fails_its_transfers_and_spares_others(self, h: Harness) -> None:
+        _faults(h)
+        a, victim, survivor = h.open_engine(1), h.open_engine(1), h.open_engine(1)
+        src = _data(1 << 16, 3)
+        mr = a.register(src)
+        vbuf, sbuf = _canary(1 << 16), _canary(1 << 16)
+        vdesc, sdesc = victim.register(vbuf).descriptor, survivor.register(sbuf).descriptor
+        waiter_error: list[BaseException] = []
+
+        def wait_for_victim() -> None:  # the target side of a dead sender
+            try:
+                a.counter(90).wait(1, timeout=T, peer=victim.address)
+            except BaseException as exc:
+                waiter_error.append(exc)
+
+        th = threading.Thread(target=wait_for_victim)
+        th.start()
+        with h.hold():
+            to_victim = [a.submit_write(mr, 0, 20_000, vdesc, 0, imm=5) for _ in range(5)]
+            to_survivor = [a.submit_write(mr, 0, 20_000, sdesc, 0, imm=5) for _ in range(5)]
+            h.kill_peer(victim)
+        for t in to_victim:
+            assert isinstance(t.exception(T), PeerUnreachable)
+        for t in to_survivor:
+            t.wait(T)
+        survivor.counter(5).wait(sum(t.imms_at_target for t in to_survivor), timeout=T)
+        _assert_no_extra(survivor, 5, h)
+        assert np.array_equal(sbuf[:20_000], src[:20_000])
+        th.join(T + 1)
+        assert not th.is_alive() and isinstance(waiter_error[0], PeerUnreachable)
+        late = a.submit_write(mr, 0, 8, vdesc, 0, imm=5)
+        assert isinstance(late.exception(T), PeerUnreachable)
+
+    def test_sender_death_times_out_target_wait_with_counts(self, h: Harness) -> None:
+        _faults(h)
+        sender, target = h.open_engine(1), h.open_engine(1)
+        mr = sender.register(_data(4096, 4))
+        desc = target.register(_canary(4096)).descriptor
+        sender.submit_imm(desc, 6).wait(T)
+        h.kill_peer(sender)
+        with pytest.raises(TransferTimeout) as info:
+            target.counter(6).wait(3, timeout=0.2)
+        assert info.value.expected == {6: 3} and info.value.received == {6: 1}
+        del mr
+
+    def test_nic_death_fails_only_its_work_and_traffic_moves(self, h: Harness) -> None:
+        _faults(h)
+        if h.max_nics < 2:
+            pytest.skip("needs two NICs")
+        p = _pair(h, 2, size=1 << 17)
+        with h.hold():
+            sharded = [p.a.submit_write(p.src_mr, 0, 40_000, p.desc, 0, imm=7) for _ in range(4)]
+            pinned = [p.a.submit_write(p.src_mr, 0, 40_000, p.desc, 50_000, imm=8, routing=Pinned(0)) for _ in range(4)]
+            h.kill_nic(p.b, 1)
+        for t in sharded:  # each has a shard on NIC 1
+            assert isinstance(t.exception(T), TransportError)
+        for t in pinned:
+            t.wait(T)
+        p.b.counter(8).wait(4, timeout=T)
+        assert np.array_equal(p.dst[50_000:90_000], p.src[:40_000])
+        # new traffic uses the surviving NIC; the count rule does not change
+        p.dst[:40_000] = CANARY
+        t = p.a.submit_write(p.src_mr, 0, 40_000, p.desc, 0, imm=9)
+        assert t.imms_at_target == 2
+        p.b.counter(9).wait(2, timeout=T)
+        t.wait(T)
+        assert np.array_equal(p.dst[:40_000], p.src[:40_000])
+        _assert_no_extra(p.b, 9, h)
+
+
+# --------------------------------------------------------------------------------------
+def _fabric_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("fabric")}
+
+
+class LifecycleConformance(_Base):
+    """close() with work in flight neither hangs nor leaks; closed engines refuse calls."""
+
+    def test_close_with_work_in_flight_neither_hangs_nor_leaks(self, h: Harness) -> None:
+        gc.collect()
+        baseline = _fabric_threads()
+        a, b = h.open_engine(min(2, h.max_nics)), h.open_engine(min(2, h.max_nics))
+        src, dst = _data(1 << 16, 5), _canary(1 << 16)
+        mr, dmr = a.register(src), b.register(dst)
+        with h.hold():
+            transfers = [a.submit_write(mr, 0, 30_000, dmr.descriptor, 0, imm=3) for _ in range(50)]
+            started = time.monotonic()
+            a.close(timeout=0.2)
+            assert time.monotonic() - started < 5
+        for t in transfers:
+            exc = t.exception(T)
+            assert exc is None or isinstance(exc, EngineClosed)
+        assert a.closed and a.stats().registrations == 0
+        b.close(timeout=1)
+        assert b.stats().registrations == 0
+        assert _eventually(lambda: _fabric_threads() <= baseline, 5), _fabric_threads() - baseline
+
+    def test_closed_engine_refuses_calls(self, h: Harness) -> None:
+        p = _pair(h)
+        p.a.close()
+        p.a.close()  # idempotent
+        with pytest.raises(EngineClosed):
+            p.a.submit_write(p.src_mr, 0, 8, p.desc, 0, imm=1)
+        with pytest.raises(EngineClosed):
+            p.a.register(np.zeros(8, np.uint8))
+
+    def test_context_manager_closes(self, h: Harness) -> None:
+        with h.open_engine(1) as e:
+            e.register(np.zeros(64, np.uint8))
+        assert e.closed and e.stats().registrations == 0
+
+    def test_write_to_closed_peer_fails_peer_unreachable(self, h: Harness) -> None:
+        p = _pair(h)
+        p.b.close()
+        t = p.a.submit_write(p.src_mr, 0, 64, p.desc, 0, imm=1)
+        assert isinstance(t.exception(T), PeerUnreachable)
+
+    def test_write_into_deregistered_region_fails_and_changes_nothing(self, h: Harness) -> None:
+        p = _pair(h)
+        p.b.deregister(p.dst_mr)
+        t = p.a.submit_write(p.src_mr, 0, 4096, p.desc, 0, imm=1)
+        assert isinstance(t.exception(T), RemoteAccessError)
+        h.settle()
+        assert (p.dst == CANARY).all() and p.b.counter(1).value == 0
+
+
+class TransferEngineConformance(
+    WriteConformance,
+    PagedConformance,
+    ScatterConformance,
+    RoutingConformance,
+    CounterConformance,
+    ValidationConformance,
+    SendRecvConformance,
+    CallbackConformance,
+    FaultConformance,
+    LifecycleConformance,
+):
+    """The whole suite."""
+
+
+def _iter_tests() -> Iterator[str]:  # used by the docs check
+    for name in dir(TransferEngineConformance):
+        if name.startswith("test_"):
+            yield name

@@ -1,0 +1,64 @@
+"""What a backend gives the conformance suite: a way to open engines that reach each other,
+and (optionally) a way to hold delivery and to inject faults."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any
+
+from ..api import TransferEngine
+from ..errors import CapabilityError
+
+__all__ = ["Harness"]
+
+
+class Harness(ABC):
+    """Subclass per backend and return it from a ``fabric_harness`` fixture.
+
+    Capability flags (``supports_faults``, ``max_nics``, engine ``Capabilities``) decide what
+    is skipped; the suite never looks at backend names.
+    """
+
+    supports_faults: bool = False
+    """``kill_peer`` and ``kill_nic`` work."""
+    supports_hold: bool = False
+    """``hold()`` really holds delivery (so everything posted inside is reordered together)."""
+    max_nics: int = 1
+    """Largest NIC count ``open_engine`` can give."""
+
+    def __init__(self) -> None:
+        self._engines: list[TransferEngine] = []
+
+    @abstractmethod
+    def _open(self, nics: int, config: dict[str, Any]) -> TransferEngine: ...
+
+    def open_engine(self, nics: int = 1, **config: Any) -> TransferEngine:
+        """An engine that can reach every other engine this harness opened."""
+        engine = self._open(nics, config)
+        self._engines.append(engine)
+        return engine
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Hold delivery while inside (no-op where the backend cannot)."""
+        yield
+
+    def settle(self, timeout: float = 5.0) -> None:
+        """Wait until nothing is in flight (best effort where the backend cannot tell)."""
+        time.sleep(min(timeout, 0.05))
+
+    def kill_peer(self, engine: TransferEngine) -> None:
+        """Make ``engine`` die as its process would: no drain, no goodbye."""
+        raise CapabilityError("this harness cannot kill a peer")
+
+    def kill_nic(self, engine: TransferEngine, nic: int) -> None:
+        """Take NIC ``nic`` of ``engine`` down."""
+        raise CapabilityError("this harness cannot kill a NIC")
+
+    def close(self) -> None:
+        for engine in reversed(self._engines):
+            engine.close(timeout=5.0)
+        self._engines.clear()

@@ -1,0 +1,35 @@
+"""pytest plugin of the conformance suite: ``--fabric-seeds`` and the ``fabric_seed`` fixture."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("fabric", "fabric conformance suite")
+    group.addoption(
+        "--fabric-seeds",
+        type=int,
+        default=None,
+        help="run seed-parametrized conformance tests over this many seeds (default: 20, "
+        "or FABRIC_CONFORMANCE_SEEDS)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "fabric_faults: needs a harness that can inject faults")
+
+
+def _seeds(config: pytest.Config) -> int:
+    import os
+
+    value = config.getoption("--fabric-seeds")
+    if value is None:
+        value = int(os.environ.get("FABRIC_CONFORMANCE_SEEDS", "20"))
+    return max(1, int(value))
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "fabric_seed" in metafunc.fixturenames:
+        n = _seeds(metafunc.config)
+        metafunc.parametrize("fabric_seed", range(n), ids=[f"seed{i}" for i in range(n)])
