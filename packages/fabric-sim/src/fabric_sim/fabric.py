@@ -41,6 +41,7 @@ _fabric_ids = itertools.count(1)
 
 # event kinds
 _CHUNK, _WR_DONE, _IMM, _LOCAL, _MSG, _CALL = range(6)
+_SPREAD = 3.0
 
 
 class _Xfer:
@@ -267,9 +268,13 @@ class SimFabric:
         length, parts = wr.length, wr.left
         size = -(-length // parts) if length else 0
         if self.link is None:
+            # Without a timing model: each WR starts after a random queueing delay of up to
+            # _SPREAD units and its chunks land within one unit of that, in shuffled order, so
+            # one WR's imm can beat another WR's (or transfer's) bytes.
+            start = self.now + self._rng.random() * _SPREAD
             for c in range(parts):
                 off = c * size
-                self._push(self.now + self._rng.random(), _CHUNK, (wr, off, max(0, min(size, length - off))))
+                self._push(start + self._rng.random(), _CHUNK, (wr, off, max(0, min(size, length - off))))
             return
         link = self.link
         tx = (wr.src, wr.nic, 0)
@@ -380,7 +385,7 @@ class SimFabric:
             elif n:
                 ctypes.memmove(wr.dst_addr + off, wr.src_ptr + off, n)
         if wr.left == 0:
-            self._push(self.now + (self._jitter() if self.link is None else 0.0), _WR_DONE, wr)
+            self._push(self.now + (self._jitter() * 0.25 if self.link is None else 0.0), _WR_DONE, wr)
 
     def _check_access(self, wr: _WR, off: int, n: int) -> BaseException | None:
         src = self._engines.get(wr.src)
@@ -414,8 +419,7 @@ class SimFabric:
         if wr.error is None:
             self.wrs_delivered += 1
             if wr.imm is not None:
-                delay = self._jitter()
-                self._push(self.now + delay, _IMM, (wr.dst, wr.imm, wr.src))
+                self._push(self.now + self._jitter() * 0.25, _IMM, (wr.dst, wr.imm, wr.src))
         ack = self._jitter() if self.link is None else self.link.latency_s + self._jitter()
         self._push(self.now + ack, _LOCAL, (xfer, wr.error, wr.length if wr.error is None else 0))
 
