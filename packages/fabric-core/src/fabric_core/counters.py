@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .errors import ConfigError, PeerUnreachable, TransferTimeout
+from .errors import ConfigError, TransferTimeout
 from .models import DomainAddress
 from .transfer import CallbackDispatcher
 

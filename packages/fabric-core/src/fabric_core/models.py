@@ -131,7 +131,7 @@ class NicKey(BaseModel):
     rkey: U64
 
 
-DESCRIPTOR_VERSION = 1
+DESCRIPTOR_VERSION: Literal[1] = 1
 _MAGIC = b"FBMR"
 _HEADER = struct.Struct("<4sBBHHQQ")  # magic, version, flags, device index, nics, ptr, len
 _NIC_KEY = struct.Struct("<Q")

@@ -46,9 +46,10 @@ class Rendezvous:
             host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         except KeyError as exc:
             raise ConfigError(f"{exc.args[0]} is not set: launch with torchrun or pass a store") from None
-        from torch.distributed import TCPStore
+        import importlib
 
-        store: Any = TCPStore(
+        dist: Any = importlib.import_module("torch.distributed")
+        store: Any = dist.TCPStore(
             host, port, world, is_master=rank == 0, timeout=timedelta(seconds=timeout), wait_for_workers=False
         )
         return cls(store, rank=rank, world_size=world, prefix=prefix, timeout=timeout)

@@ -153,7 +153,7 @@ class SimEngine(TransferEngine):
             length=span.length,
             device=span.device,
             writable=can_write,
-            nics=tuple(NicKey(address=a, rkey=k) for a, k in zip(self._addresses, rkeys)),
+            nics=tuple(NicKey(address=a, rkey=k) for a, k in zip(self._addresses, rkeys, strict=True)),
         )
         region = MemoryRegion(
             handle=handle, ptr=span.ptr, length=span.length, device=span.device, writable=can_write, descriptor=desc

@@ -362,7 +362,7 @@ class SimFabric:
         elif kind == _WR_DONE:
             self._wr_done(payload)  # type: ignore[arg-type]
         elif kind == _IMM:
-            dst, imm, src_raw = payload  # type: ignore[misc]
+            dst, imm, _src = payload  # type: ignore[misc]
             engine = self._engines.get(dst)
             if engine is not None:
                 engine._counters.add(imm)

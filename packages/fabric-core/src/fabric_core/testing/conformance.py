@@ -215,7 +215,7 @@ class PagedConformance(_Base):
         p.b.counter(21).wait(pages, timeout=T)
         t.wait(T)
         expect = _canary(p.dst.size)
-        for s, d in zip(src_idx.tolist(), dst_idx.tolist()):
+        for s, d in zip(src_idx.tolist(), dst_idx.tolist(), strict=True):
             expect[3 + d * dstride : 3 + d * dstride + plen] = p.src[11 + s * sstride : 11 + s * sstride + plen]
         assert np.array_equal(p.dst, expect)
         _assert_no_extra(p.b, 21, h)
@@ -267,16 +267,17 @@ class ScatterConformance(_Base):
     def test_scatter_reaches_every_target(self, h: Harness, nics: int, route: str) -> None:
         _nics_ok(h, nics)
         a, mr, src, targets = self._fleet(h, nics)
-        routing: Routing = {"shard-peers": ShardPeers(), "sharded": Sharded(), "pinned": Pinned(nics - 1)}[route]
+        choices: dict[str, Routing] = {"shard-peers": ShardPeers(), "sharded": Sharded(), "pinned": Pinned(nics - 1)}
+        routing = choices[route]
         spec = [(9000 + 4096 * j, 100 * j, 7 * j) for j in range(3)]
         t = a.submit_scatter(
             mr,
-            [ScatterTarget(reg.descriptor, n, so, do) for (_, _, reg), (n, so, do) in zip(targets, spec)],
+            [ScatterTarget(reg.descriptor, n, so, do) for (_, _, reg), (n, so, do) in zip(targets, spec, strict=True)],
             imm=31,
             routing=routing,
         )
         assert len(t.imms_per_target) == 3
-        for (e, buf, _), (n, so, do), imms in zip(targets, spec, t.imms_per_target):
+        for (e, buf, _), (n, so, do), imms in zip(targets, spec, t.imms_per_target, strict=True):
             e.counter(31).wait(imms, timeout=T)
             assert np.array_equal(buf[do : do + n], src[so : so + n])
             assert (buf[:do] == CANARY).all() and (buf[do + n :] == CANARY).all()
@@ -292,7 +293,7 @@ class ScatterConformance(_Base):
                 mr, [ScatterTarget(reg.descriptor, 512, step * 512, step * 512) for _, _, reg in targets],
                 imm=40 + step, group=group,
             )
-            for (e, buf, _), imms in zip(targets, t.imms_per_target):
+            for (e, buf, _), imms in zip(targets, t.imms_per_target, strict=True):
                 e.counter(40 + step).wait(imms, timeout=T)
                 assert np.array_equal(buf[step * 512 : step * 512 + 512], src[step * 512 : step * 512 + 512])
 
@@ -413,12 +414,20 @@ class CounterConformance(_Base):
         for _ in range(5):
             p.a.submit_imm(p.desc, 16)
         assert _eventually(lambda: p.b.counter(16).value == 5)
-        first = threading.Event()
-        p.b.counter(16).expect(3, lambda: (fired.append(3), first.set()) and None)
+        first, second = threading.Event(), threading.Event()
+
+        def on_three() -> None:
+            fired.append(3)
+            first.set()
+
+        def on_two() -> None:
+            fired.append(2)
+            second.set()
+
+        p.b.counter(16).expect(3, on_three)
         assert first.wait(T)
         assert p.b.counter(16).value == 2  # re-arming never discards the overflow
-        second = threading.Event()
-        p.b.counter(16).expect(2, lambda: (fired.append(2), second.set()) and None)
+        p.b.counter(16).expect(2, on_two)
         assert second.wait(T)
         time.sleep(0.05)
         assert fired == [3, 2] and p.b.counter(16).value == 0
@@ -645,7 +654,12 @@ class CallbackConformance(_Base):
         p.b.deregister(p.dst_mr)
         got: list[BaseException] = []
         ev = threading.Event()
-        t = p.a.submit_write(p.src_mr, 0, 100, p.desc, 0, imm=3).on_error(lambda _t, e: (got.append(e), ev.set()) and None)
+
+        def on_error(_t: object, exc: BaseException) -> None:
+            got.append(exc)
+            ev.set()
+
+        t = p.a.submit_write(p.src_mr, 0, 100, p.desc, 0, imm=3).on_error(on_error)
         assert ev.wait(T)
         assert isinstance(got[0], RemoteAccessError) and t.exception(T) is got[0]
         assert (p.dst == CANARY).all()

@@ -1,0 +1,113 @@
+"""Sessions of the fabric monorepo.
+
+`./dev demo` runs the `demo` session and `./dev test` the `check` session (what CI runs).
+The fabric distributions are never taken from an index: every session installs them from
+this tree by path (they are not on PyPI, and a squatter could publish the names).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nox
+
+nox.needs_version = ">=2024.10.9"
+nox.options.default_venv_backend = "virtualenv"
+nox.options.sessions = ["check"]
+nox.options.error_on_missing_interpreters = True
+
+ROOT = Path(__file__).parent
+PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
+CONSTRAINTS = ("-c", str(ROOT / "constraints" / "ci.txt"))
+PACKAGES = ("packages/fabric-core", "packages/fabric-sim")
+
+
+def _install(session: nox.Session, *groups: str, editable: bool = True) -> None:
+    """The local packages (by path) plus the named dependency groups, under the pins."""
+    local: list[str] = []
+    for pkg in PACKAGES:
+        local += ["-e", pkg] if editable else [pkg]
+    deps = [d for g in groups for d in nox.project.dependency_groups(PYPROJECT, g)]
+    session.install(*CONSTRAINTS, *local, *deps)
+
+
+def _lint(session: nox.Session) -> None:
+    session.run("ruff", "check", "packages", "tests", "benchmarks", "noxfile.py")
+    session.run("ruff", "format", "--check", "packages", "tests", "benchmarks", "noxfile.py")
+
+
+def _typecheck(session: nox.Session) -> None:
+    session.run("mypy")
+
+
+def _docs(session: nox.Session) -> None:
+    site = str(Path(session.create_tmp()) / "site")
+    session.run("mkdocs", "build", "--strict", "--site-dir", site, env={"NO_MKDOCS_2_WARNING": "1"})
+
+
+def _pytest(session: nox.Session) -> None:
+    session.run(
+        "pytest",
+        "--cov",
+        "--cov-report=term",
+        f"--cov-report=xml:{ROOT / 'coverage.xml'}",
+        *session.posargs,
+        env={"COVERAGE_FILE": str(ROOT / ".coverage")},
+    )
+
+
+@nox.session
+def check(session: nox.Session) -> None:
+    """Everything CI runs: lint, types, docs, and the whole test suite with coverage."""
+    _install(session, "test", "lint", "docs")
+    _lint(session)
+    _typecheck(session)
+    _docs(session)
+    _pytest(session)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The test suite only (pass pytest options after --)."""
+    _install(session, "test")
+    _pytest(session)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    _install(session, "lint")
+    _lint(session)
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict on fabric_core."""
+    _install(session, "lint")
+    _typecheck(session)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the documentation with mkdocs --strict."""
+    _install(session, "docs")
+    _docs(session)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job on the simulator: the contract walk-through, `fabric info`, a bench sweep."""
+    _install(session, editable=False)
+    out = ROOT / "bench-results"
+    out.mkdir(exist_ok=True)
+    session.run("fabric", "demo")
+    session.run("fabric", "info", "--backend", "sim")
+    session.run("fabric", "bench", "--backend", "sim", "--json", str(out / "sim-sweep.json"), *session.posargs)
+
+
+@nox.session
+def soak(session: nox.Session) -> None:
+    """The conformance suite over many more seeds (FABRIC_SOAK_SEEDS, default 200)."""
+    _install(session, "test")
+    seeds = os.environ.get("FABRIC_SOAK_SEEDS", "200")
+    session.run("pytest", "packages/fabric-sim/tests", "-q", "--fabric-seeds", seeds, *session.posargs)

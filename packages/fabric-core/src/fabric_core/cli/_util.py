@@ -1,0 +1,156 @@
+"""Helpers shared by the ``fabric`` commands: sizes, tables, the simulator seen through a Protocol."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from importlib.metadata import PackageNotFoundError, version
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, cast
+
+import click
+
+from ..api import TransferEngine
+from ..errors import BackendNotInstalled
+from ..registry import install_hint
+
+__all__ = [
+    "SimFabricLike",
+    "SizeListType",
+    "SizeType",
+    "dist_version",
+    "format_count",
+    "format_size",
+    "import_sim",
+    "new_sim_fabric",
+    "parse_size",
+    "render_table",
+    "sim_link_presets",
+]
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMG]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+
+def dist_version(dist: str) -> str:
+    """Installed version of distribution ``dist`` ("unknown" if it has no metadata)."""
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def parse_size(text: str) -> int:
+    """``"4096"``, ``"4K"``, ``"4KiB"``, ``"64M"``, ``"1G"`` → bytes (binary units); ValueError otherwise."""
+    match = _SIZE_RE.match(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not a size: use bytes or a K/M/G suffix (binary), e.g. 4096, 4K, 64MiB")
+    value = int(match.group(1)) * _UNITS[match.group(2).upper()]
+    if value <= 0:
+        raise ValueError(f"size {text!r} must be positive")
+    return value
+
+
+def format_size(n: int) -> str:
+    """Bytes as the largest exact binary unit: ``8 B``, ``4 KiB``, ``64 MiB`` (``1.5 KiB`` if inexact)."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n // scale} {unit}" if n % scale == 0 else f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def format_count(x: float) -> str:
+    """A rate or count with three significant digits and a k/M/G suffix."""
+    for suffix, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{suffix}"
+    return f"{x:.3g}"
+
+
+class SizeType(click.ParamType):
+    """One size (``4096``, ``4K``, ``64MiB``) for click."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_size(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+class SizeListType(click.ParamType):
+    """A comma-separated list of sizes (``8,4K,1M``) for click; sorted, duplicates removed."""
+
+    name = "sizes"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, ...]:
+        if isinstance(value, tuple):
+            return cast(tuple[int, ...], value)
+        parts = [p for p in str(value).split(",") if p.strip()]
+        if not parts:
+            self.fail("give at least one size, e.g. 8,4K,1M", param, ctx)
+        try:
+            return tuple(sorted({parse_size(p) for p in parts}))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Columns right-aligned to their widest cell, the first one left-aligned."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        out = [cells[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(cells[1:], widths[1:])]
+        return "  ".join(out).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+class SimFabricLike(Protocol):
+    """What the CLI uses of ``fabric_sim.SimFabric`` (typed here so fabric-core never imports it)."""
+
+    seed: int
+    chunk_bytes: int
+    now: float
+    events: int
+    wrs_delivered: int
+
+    def open_engine(self, nics: int = 2, **config: object) -> TransferEngine: ...
+
+    def paused(self) -> AbstractContextManager[None]: ...
+
+    def quiesce(self, timeout: float = 10.0) -> bool: ...
+
+
+def import_sim() -> Any:
+    """The ``fabric_sim`` module, imported on first use; BackendNotInstalled with a hint if absent."""
+    try:
+        return importlib.import_module("fabric_sim")
+    except ModuleNotFoundError as exc:
+        if exc.name != "fabric_sim":
+            raise
+        raise BackendNotInstalled("sim", install_hint("sim")) from None
+
+
+def new_sim_fabric(seed: int, *, chunk_bytes: int, link: str | None) -> tuple[SimFabricLike, float | None]:
+    """A dedicated ``SimFabric`` (not the process-wide one) and its link rate in Gbit/s (None: no clock).
+
+    An unknown ``link`` preset raises ConfigError naming the presets.
+    """
+    sim = import_sim()
+    model = sim.link_preset(link) if link is not None else None
+    fabric = sim.SimFabric(seed, chunk_bytes=chunk_bytes, link=model)
+    return cast(SimFabricLike, fabric), (float(model.bandwidth_gbps) if model is not None else None)
+
+
+def sim_link_presets() -> list[str]:
+    """Names of the simulator's link presets (empty if fabric-sim is not installed)."""
+    try:
+        sim = import_sim()
+    except BackendNotInstalled:
+        return []
+    return sorted(cast(dict[str, Any], sim.PRESETS))

@@ -1,0 +1,799 @@
+"""``fabric bench``: a point-to-point sweep between two engines of this process.
+
+Per size it measures
+* latency: one write with an imm, then the target's counter wait for ``imms_at_target``;
+* bandwidth and ops/s: a window of writes submitted back to back, then one wait for the total count;
+* a data check: the first write of every size is compared byte for byte with its source.
+
+Then a paged-write rate (pages of 4 KiB, one imm per page) and the Python cost of one submit call.
+On the simulator with a link model it also reports virtual-clock numbers (``SimFabric.now`` deltas).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+from .. import registry
+from ..api import TransferEngine
+from ..counters import ImmCounter
+from ..errors import BackendNotInstalled, BackendUnavailable, ConfigError, FabricError
+from ..models import MemoryRegion
+from ..settings import FabricSettings, load_settings
+from ..transfer import Transfer
+from ._util import (
+    SimFabricLike,
+    SizeListType,
+    SizeType,
+    dist_version,
+    format_count,
+    format_size,
+    new_sim_fabric,
+    sim_link_presets,
+)
+
+__all__ = [
+    "DEFAULT_SIZES",
+    "BenchReport",
+    "Budget",
+    "EnginePair",
+    "PagedResult",
+    "SizeResult",
+    "bench",
+    "open_pair",
+    "run_sweep",
+]
+
+DEFAULT_SIZES: tuple[int, ...] = (8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 2 << 20, 16 << 20, 64 << 20)
+"""Powers-of-8 steps from 8 B, capped at 64 MiB."""
+MAX_SIZE = 1 << 30
+DEFAULT_SIM_LINK = "cx7-400g"
+GUARD = 64
+"""Bytes after each checked write that must stay untouched."""
+PAGES = 256
+PAGE_BYTES = 4096
+IMM_BASE = 0xFAB0_0000
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """How much work each phase does. Phases stop at their time budget once past their minimum."""
+
+    latency_s: float
+    latency_min: int
+    latency_max: int
+    rate_s: float
+    rate_min_rounds: int
+    window_bytes: int
+    window_max: int
+    submit_calls: int
+    paged_window: int
+
+    def window(self, size: int) -> int:
+        return max(1, min(self.window_max, self.window_bytes // size))
+
+
+DEFAULT_BUDGET = Budget(
+    latency_s=1.0,
+    latency_min=10,
+    latency_max=2000,
+    rate_s=1.5,
+    rate_min_rounds=2,
+    window_bytes=256 << 20,
+    window_max=128,
+    submit_calls=2000,
+    paged_window=4,
+)
+QUICK_BUDGET = Budget(
+    latency_s=0.04,
+    latency_min=3,
+    latency_max=50,
+    rate_s=0.06,
+    rate_min_rounds=1,
+    window_bytes=32 << 20,
+    window_max=16,
+    submit_calls=200,
+    paged_window=2,
+)
+
+
+class BenchFailure(FabricError):
+    """The backend moved wrong bytes or wrong counts: the numbers would be meaningless."""
+
+
+@dataclass(slots=True)
+class SizeResult:
+    size: int
+    iters: int
+    ops: int
+    window: int
+    work_requests: int
+    latency_us_p50: float
+    latency_us_p99: float
+    bandwidth_gbps: float
+    bandwidth_gbytes_per_s: float
+    ops_per_s: float
+    sim_latency_us_p50: float | None = None
+    sim_latency_us_p99: float | None = None
+    sim_bandwidth_gbps: float | None = None
+    sim_ops_per_s: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = {
+            "size": self.size,
+            "iters": self.iters,
+            "ops": self.ops,
+            "window": self.window,
+            "work_requests_per_write": self.work_requests,
+            "latency_us_p50": self.latency_us_p50,
+            "latency_us_p99": self.latency_us_p99,
+            "bandwidth_gbps": self.bandwidth_gbps,
+            "bandwidth_gbytes_per_s": self.bandwidth_gbytes_per_s,
+            "ops_per_s": self.ops_per_s,
+            "sim_latency_us_p50": self.sim_latency_us_p50,
+            "sim_latency_us_p99": self.sim_latency_us_p99,
+            "sim_bandwidth_gbps": self.sim_bandwidth_gbps,
+            "sim_ops_per_s": self.sim_ops_per_s,
+        }
+        return {k: v for k, v in out.items() if v is not None}
+
+
+@dataclass(slots=True)
+class PagedResult:
+    pages: int
+    page_bytes: int
+    iters: int
+    ops: int
+    latency_us_p50: float
+    latency_us_p99: float
+    pages_per_s: float
+    bandwidth_gbps: float
+    submit_cost_us: float
+    sim_latency_us_p50: float | None = None
+    sim_pages_per_s: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = {
+            "pages": self.pages,
+            "page_bytes": self.page_bytes,
+            "imms_per_write": self.pages,
+            "iters": self.iters,
+            "ops": self.ops,
+            "latency_us_p50": self.latency_us_p50,
+            "latency_us_p99": self.latency_us_p99,
+            "pages_per_s": self.pages_per_s,
+            "bandwidth_gbps": self.bandwidth_gbps,
+            "submit_cost_us": self.submit_cost_us,
+            "sim_latency_us_p50": self.sim_latency_us_p50,
+            "sim_pages_per_s": self.sim_pages_per_s,
+        }
+        return {k: v for k, v in out.items() if v is not None}
+
+
+@dataclass(slots=True)
+class BenchReport:
+    backend: str
+    backend_version: str
+    nics: int
+    link: str | None
+    seed: int
+    quick: bool
+    fixed_iters: int | None
+    started: str
+    results: list[SizeResult] = field(default_factory=list)
+    paged: PagedResult | None = None
+    submit_cost_us: float = 0.0
+    sim_throughput_wrs_per_s: float | None = None
+    sim_events_per_s: float | None = None
+    duration_s: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "backend_version": self.backend_version,
+            "fabric_core_version": dist_version("fabric-core"),
+            "nics": self.nics,
+            "link": self.link,
+            "seed": self.seed,
+            "quick": self.quick,
+            "iters": self.fixed_iters,
+            "host": host_info(),
+            "started": self.started,
+            "duration_s": self.duration_s,
+            "results": [r.to_json() for r in self.results],
+            "paged": self.paged.to_json() if self.paged is not None else None,
+            "submit_cost_us": self.submit_cost_us,
+            "sim_throughput_wrs_per_s": self.sim_throughput_wrs_per_s,
+            "sim_events_per_s": self.sim_events_per_s,
+        }
+
+
+def host_info() -> dict[str, Any]:
+    return {
+        "hostname": platform.node(),
+        "system": platform.system(),
+        "release": platform.release(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "numpy": np.__version__,
+    }
+
+
+# --- engines --------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class EnginePair:
+    """A writer and a target engine; ``fabric`` is set when they run on a dedicated simulator."""
+
+    backend: str
+    backend_version: str
+    writer: TransferEngine
+    target: TransferEngine
+    fabric: SimFabricLike | None = None
+    link: str | None = None
+
+    @property
+    def clock(self) -> SimFabricLike | None:
+        """The simulator when it has a virtual clock (a link model), else None."""
+        return self.fabric if self.link is not None else None
+
+
+def resolve_backend(name: str, settings: FabricSettings, notice: Callable[[str], None]) -> str:
+    """The backend to run for ``name``; ``auto`` falls back to the simulator with a notice."""
+    if name == "auto":
+        try:
+            return registry.select_backend(settings.model_copy(update={"backend": "auto"})).name
+        except BackendUnavailable:
+            reasons = "".join(f"\n  {n}: {registry.probe(n).reason}" for n in registry.AUTO_ORDER)
+            notice(f"no RDMA backend can run here; falling back to the simulator (backend 'sim').{reasons}")
+            registry.load_backend("sim")  # BackendNotInstalled (with its install hint) if it is absent
+            return "sim"
+    return registry.select_backend(settings.model_copy(update={"backend": name})).name
+
+
+@contextmanager
+def open_pair(
+    backend: str, *, nics: int | None, link: str | None, seed: int, settings: FabricSettings
+) -> Iterator[EnginePair]:
+    """Open writer and target engines; on ``sim`` both live on a fresh ``SimFabric``."""
+    engines: list[TransferEngine] = []
+    try:
+        if backend == "sim":
+            fabric, _ = new_sim_fabric(seed, chunk_bytes=settings.sim_chunk_bytes, link=link)
+            count = nics or settings.nics or 2
+            for _ in range(2):
+                engines.append(fabric.open_engine(count, backend="sim"))
+            pair = EnginePair("sim", dist_version("fabric-sim"), engines[0], engines[1], fabric, link)
+        else:
+            cls = registry.load_backend(backend)
+            overrides: dict[str, Any] = {} if nics is None else {"nics": nics}
+            for _ in range(2):
+                engines.append(registry.open_engine(backend, **overrides))
+            pair = EnginePair(backend, registry.backend_version(cls), engines[0], engines[1])
+        yield pair
+    finally:
+        for engine in reversed(engines):
+            engine.close(timeout=5.0)
+
+
+# --- measurement ----------------------------------------------------------------------------
+
+
+def _percentiles_us(samples: Sequence[float]) -> tuple[float, float]:
+    p50, p99 = np.percentile(np.asarray(samples, dtype=np.float64), [50, 99])
+    return float(p50) * 1e6, float(p99) * 1e6
+
+
+class _Sweep:
+    """State of one run: the engines, the registered buffers and the budget."""
+
+    def __init__(
+        self, pair: EnginePair, buf_bytes: int, budget: Budget, iters: int | None, seed: int, timeout: float
+    ) -> None:
+        self.pair = pair
+        self.writer, self.target = pair.writer, pair.target
+        self.budget = budget
+        self.iters = iters
+        self.timeout = timeout
+        self.src = np.random.default_rng(seed).integers(0, 256, buf_bytes + PAGE_BYTES, dtype=np.uint8)
+        self.dst = np.zeros(buf_bytes + PAGE_BYTES, dtype=np.uint8)
+        self.src_mr: MemoryRegion = self.writer.register(self.src)
+        self.dst_mr: MemoryRegion = self.target.register(self.dst)
+        self.next_imm = IMM_BASE
+        self.rate_wall = 0.0
+        self.rate_wrs = 0
+        self.rate_events = 0
+
+    # -- helpers
+    def imm(self) -> int:
+        self.next_imm += 1
+        return self.next_imm
+
+    def settle(self) -> None:
+        """On the simulator, wait until no event is pending so ``now`` is the end of the last op."""
+        fabric = self.pair.fabric
+        if fabric is not None and not fabric.quiesce(self.timeout):
+            raise BenchFailure(f"the simulated fabric did not go idle within {self.timeout:g} s")
+
+    def paused(self) -> AbstractContextManager[None]:
+        fabric = self.pair.fabric
+        return fabric.paused() if fabric is not None else nullcontext()
+
+    def check_drained(self, counter: ImmCounter, what: str) -> None:
+        extra = counter.value
+        if extra:
+            raise BenchFailure(
+                f"{what}: the target counted {extra} more imm {counter.imm:#x} than imms_at_target promised"
+            )
+
+    def complete(self, transfers: Sequence[Transfer], counter: ImmCounter) -> None:
+        counter.wait(sum(t.imms_at_target for t in transfers), self.timeout)
+        for t in transfers:
+            t.wait(self.timeout)
+
+    # -- phases
+    def latency(self, submit: Callable[[], Transfer], counter: ImmCounter) -> tuple[list[float], list[float]]:
+        """Wall and (with a clock) virtual seconds of single submit → counter-wait round trips."""
+        b, clock = self.budget, self.pair.clock
+        wall: list[float] = []
+        virt: list[float] = []
+        limit = self.iters if self.iters is not None else b.latency_max
+        start = time.perf_counter()
+        while len(wall) < limit:
+            if self.iters is None and len(wall) >= b.latency_min and time.perf_counter() - start > b.latency_s:
+                break
+            v0 = 0.0
+            if clock is not None:
+                self.settle()
+                v0 = clock.now
+            t0 = time.perf_counter()
+            transfer = submit()
+            counter.wait(transfer.imms_at_target, self.timeout)
+            wall.append(time.perf_counter() - t0)
+            transfer.wait(self.timeout)
+            if clock is not None:
+                self.settle()
+                virt.append(clock.now - v0)
+        return wall, virt
+
+    def rate(self, submit: Callable[[], Transfer], counter: ImmCounter, window: int) -> tuple[int, float, float]:
+        """Pipelined windows: (ops, wall seconds, virtual seconds or 0)."""
+        b, fabric, clock = self.budget, self.pair.fabric, self.pair.clock
+        ops, wall, virt, rounds = 0, 0.0, 0.0, 0
+        self.settle()
+        wrs0 = fabric.wrs_delivered if fabric is not None else 0
+        ev0 = fabric.events if fabric is not None else 0
+        while True:
+            if self.iters is not None:
+                n = min(window, self.iters - ops)
+                if n <= 0:
+                    break
+            else:
+                if rounds >= b.rate_min_rounds and wall > b.rate_s:
+                    break
+                n = window
+            v0 = clock.now if clock is not None else 0.0
+            t0 = time.perf_counter()
+            transfers = [submit() for _ in range(n)]
+            self.complete(transfers, counter)
+            wall += time.perf_counter() - t0
+            if clock is not None:
+                self.settle()
+                virt += clock.now - v0
+            ops += n
+            rounds += 1
+        self.settle()
+        if fabric is not None:
+            self.rate_wrs += fabric.wrs_delivered - wrs0
+            self.rate_events += fabric.events - ev0
+        self.rate_wall += wall
+        return ops, wall, virt
+
+    def verify_write(self, size: int, imm: int) -> int:
+        """One write checked byte for byte (source offset and guard bytes included); its WR count."""
+        src_off = 8 + (size % 4001)  # an odd offset so a misplaced copy cannot look right
+        self.dst[: size + GUARD] = 0
+        before = self.writer.stats().work_requests
+        transfer = self.writer.submit_write(self.src_mr, src_off, size, self.dst_mr.descriptor, 0, imm=imm)
+        self.complete([transfer], self.target.counter(imm))
+        expected = self.src[src_off : src_off + size]
+        bad = np.flatnonzero(self.dst[:size] != expected)
+        if bad.size:
+            raise BenchFailure(
+                f"data check failed for a {format_size(size)} write: {bad.size} of {size} bytes differ "
+                f"(first at offset {int(bad[0])})"
+            )
+        if np.any(self.dst[size : size + GUARD]):
+            raise BenchFailure(f"data check failed for a {format_size(size)} write: bytes past its end changed")
+        return max(1, self.writer.stats().work_requests - before)
+
+    def size(self, size: int) -> SizeResult:
+        desc = self.dst_mr.descriptor
+        work_requests = self.verify_write(size, self.imm())
+
+        lat_imm = self.imm()
+        lat_counter = self.target.counter(lat_imm)
+        wall, virt = self.latency(
+            lambda: self.writer.submit_write(self.src_mr, 0, size, desc, 0, imm=lat_imm), lat_counter
+        )
+        self.check_drained(lat_counter, f"{format_size(size)} latency")
+
+        rate_imm = self.imm()
+        rate_counter = self.target.counter(rate_imm)
+        window = self.budget.window(size)
+        ops, rate_wall, rate_virt = self.rate(
+            lambda: self.writer.submit_write(self.src_mr, 0, size, desc, 0, imm=rate_imm), rate_counter, window
+        )
+        self.check_drained(rate_counter, f"{format_size(size)} bandwidth")
+
+        p50, p99 = _percentiles_us(wall)
+        bytes_per_s = ops * size / rate_wall
+        result = SizeResult(
+            size=size,
+            iters=len(wall),
+            ops=ops,
+            window=window,
+            work_requests=work_requests,
+            latency_us_p50=p50,
+            latency_us_p99=p99,
+            bandwidth_gbps=bytes_per_s * 8 / 1e9,
+            bandwidth_gbytes_per_s=bytes_per_s / 1e9,
+            ops_per_s=ops / rate_wall,
+        )
+        if virt and rate_virt > 0:
+            result.sim_latency_us_p50, result.sim_latency_us_p99 = _percentiles_us(virt)
+            result.sim_bandwidth_gbps = ops * size * 8 / rate_virt / 1e9
+            result.sim_ops_per_s = ops / rate_virt
+        return result
+
+    def paged(self) -> PagedResult:
+        """256 pages of 4 KiB to a shuffled page list, one imm per page."""
+        src_pages = np.arange(PAGES, dtype=np.int64)
+        dst_pages = np.random.default_rng(self.next_imm).permutation(PAGES).astype(np.int64)
+        desc = self.dst_mr.descriptor
+
+        def submit(imm: int) -> Transfer:
+            return self.writer.submit_paged_write(
+                self.src_mr, src_pages, PAGE_BYTES, desc, dst_pages, PAGE_BYTES, PAGE_BYTES, imm=imm
+            )
+
+        check_imm = self.imm()
+        self.dst[: PAGES * PAGE_BYTES] = 0
+        self.complete([submit(check_imm)], self.target.counter(check_imm))
+        landed = self.dst[: PAGES * PAGE_BYTES].reshape(PAGES, PAGE_BYTES)[dst_pages]
+        if not np.array_equal(landed, self.src[: PAGES * PAGE_BYTES].reshape(PAGES, PAGE_BYTES)):
+            raise BenchFailure("data check failed for the paged write: pages landed in the wrong place")
+
+        lat_imm = self.imm()
+        lat_counter = self.target.counter(lat_imm)
+        wall, virt = self.latency(lambda: submit(lat_imm), lat_counter)
+        rate_imm = self.imm()
+        rate_counter = self.target.counter(rate_imm)
+        ops, rate_wall, rate_virt = self.rate(lambda: submit(rate_imm), rate_counter, self.budget.paged_window)
+        cost_imm = self.imm()
+        cost_counter = self.target.counter(cost_imm)
+        costs = self.submit_costs(lambda: submit(cost_imm), cost_counter, max(8, self.budget.submit_calls // 40))
+        for counter in (lat_counter, rate_counter, cost_counter):
+            self.check_drained(counter, "paged write")
+
+        p50, p99 = _percentiles_us(wall)
+        result = PagedResult(
+            pages=PAGES,
+            page_bytes=PAGE_BYTES,
+            iters=len(wall),
+            ops=ops,
+            latency_us_p50=p50,
+            latency_us_p99=p99,
+            pages_per_s=ops * PAGES / rate_wall,
+            bandwidth_gbps=ops * PAGES * PAGE_BYTES * 8 / rate_wall / 1e9,
+            submit_cost_us=float(np.median(costs)) * 1e6,
+        )
+        if virt and rate_virt > 0:
+            result.sim_latency_us_p50 = _percentiles_us(virt)[0]
+            result.sim_pages_per_s = ops * PAGES / rate_virt
+        return result
+
+    def submit_costs(self, submit: Callable[[], Transfer], counter: ImmCounter, calls: int) -> list[float]:
+        """Seconds spent in each of ``calls`` submit calls alone. On the simulator delivery is
+        paused meanwhile, so the progress thread does not compete for the GIL."""
+        costs: list[float] = []
+        while len(costs) < calls:
+            transfers = []
+            with self.paused():
+                for _ in range(min(250, calls - len(costs))):
+                    t0 = time.perf_counter()
+                    transfers.append(submit())
+                    costs.append(time.perf_counter() - t0)
+            self.complete(transfers, counter)
+        self.check_drained(counter, "submit cost")
+        return costs
+
+    def close(self) -> None:
+        self.writer.deregister(self.src_mr)
+        self.target.deregister(self.dst_mr)
+
+
+def run_sweep(
+    pair: EnginePair,
+    sizes: Sequence[int],
+    *,
+    budget: Budget = DEFAULT_BUDGET,
+    iters: int | None = None,
+    seed: int = 0,
+    quick: bool = False,
+    timeout: float = 60.0,
+    on_result: Callable[[SizeResult], None] = lambda r: None,
+) -> BenchReport:
+    """Run every phase on ``pair``; ``on_result`` sees each size's row as soon as it is measured."""
+    started = datetime.datetime.now(datetime.timezone.utc)
+    t0 = time.perf_counter()
+    report = BenchReport(
+        backend=pair.backend,
+        backend_version=pair.backend_version,
+        nics=pair.writer.num_nics,
+        link=pair.link,
+        seed=seed,
+        quick=quick,
+        fixed_iters=iters,
+        started=started.isoformat(timespec="seconds"),
+    )
+    sweep = _Sweep(pair, max(max(sizes), PAGES * PAGE_BYTES), budget, iters, seed, timeout)
+    try:
+        cost_imm = sweep.imm()
+        desc = sweep.dst_mr.descriptor
+        costs = sweep.submit_costs(
+            lambda: pair.writer.submit_write(sweep.src_mr, 0, 8, desc, 0, imm=cost_imm),
+            pair.target.counter(cost_imm),
+            budget.submit_calls,
+        )
+        report.submit_cost_us = float(np.median(costs)) * 1e6
+        for size in sizes:
+            result = sweep.size(size)
+            report.results.append(result)
+            on_result(result)
+        report.paged = sweep.paged()
+    finally:
+        sweep.close()
+    if pair.fabric is not None and sweep.rate_wall > 0:
+        report.sim_throughput_wrs_per_s = sweep.rate_wrs / sweep.rate_wall
+        report.sim_events_per_s = sweep.rate_events / sweep.rate_wall
+    report.duration_s = time.perf_counter() - t0
+    return report
+
+
+# --- presentation ---------------------------------------------------------------------------
+
+
+def _num(x: float) -> str:
+    """A positive quantity with about three significant digits, never in exponent form."""
+    if x >= 100:
+        return f"{x:.0f}"
+    if x >= 10:
+        return f"{x:.1f}"
+    if x >= 1:
+        return f"{x:.2f}"
+    digits = 2 - math.floor(math.log10(x)) if x > 0 else 2
+    return f"{x:.{min(digits, 8)}f}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Column:
+    header: str
+    cell: Callable[[SizeResult], str]
+
+    @property
+    def width(self) -> int:
+        return max(len(self.header), 10)
+
+
+def _columns(clock: bool) -> list[_Column]:
+    cols = [
+        _Column("size", lambda r: format_size(r.size)),
+        _Column("iters", lambda r: str(r.iters)),
+        _Column("lat p50 us", lambda r: _num(r.latency_us_p50)),
+        _Column("lat p99 us", lambda r: _num(r.latency_us_p99)),
+        _Column("ops", lambda r: str(r.ops)),
+        _Column("GB/s", lambda r: _num(r.bandwidth_gbytes_per_s)),
+        _Column("Gbit/s", lambda r: _num(r.bandwidth_gbps)),
+        _Column("ops/s", lambda r: format_count(r.ops_per_s)),
+    ]
+    if clock:
+        cols += [
+            _Column("sim lat us", lambda r: _num(r.sim_latency_us_p50 or 0.0)),
+            _Column("sim Gbit/s", lambda r: _num(r.sim_bandwidth_gbps or 0.0)),
+            _Column("sim ops/s", lambda r: format_count(r.sim_ops_per_s or 0.0)),
+        ]
+    return cols
+
+
+def _row(cols: Sequence[_Column], cells: Sequence[str]) -> str:
+    first = cells[0].ljust(cols[0].width)
+    return "  ".join([first, *(c.rjust(col.width) for c, col in zip(cells[1:], cols[1:]))])
+
+
+def _sizes(sizes: tuple[int, ...] | None, min_size: int | None, max_size: int | None) -> tuple[int, ...]:
+    chosen = [s for s in (sizes or DEFAULT_SIZES) if (min_size is None or s >= min_size)]
+    chosen = [s for s in chosen if max_size is None or s <= max_size]
+    if min_size is not None and max_size is not None and min_size > max_size:
+        raise click.UsageError(f"--min-size ({format_size(min_size)}) exceeds --max-size ({format_size(max_size)})")
+    if not chosen:
+        raise click.UsageError("no size left to measure between --min-size and --max-size")
+    too_big = [s for s in chosen if s > MAX_SIZE]
+    if too_big:
+        raise click.BadParameter(
+            f"{format_size(too_big[0])} is above the largest size the bench runs ({format_size(MAX_SIZE)})",
+            param_hint="'--sizes'",
+        )
+    return tuple(chosen)
+
+
+def _print_summary(report: BenchReport) -> None:
+    paged = report.paged
+    if paged is not None:
+        line = (
+            f"paged write ({paged.pages} x {format_size(paged.page_bytes)}, one imm per page): "
+            f"{format_count(paged.pages_per_s)} pages/s ({_num(paged.bandwidth_gbps)} Gbit/s), "
+            f"latency p50 {_num(paged.latency_us_p50)} us, submit {_num(paged.submit_cost_us)} us"
+        )
+        if paged.sim_pages_per_s is not None and paged.sim_latency_us_p50 is not None:
+            line += f"; simulated {format_count(paged.sim_pages_per_s)} pages/s, {_num(paged.sim_latency_us_p50)} us"
+        click.echo(line)
+    click.echo(f"submit cost (one 8 B write with imm, median of Python call): {_num(report.submit_cost_us)} us")
+    if report.sim_throughput_wrs_per_s is not None:
+        click.echo(
+            f"simulator throughput (bandwidth phases): {format_count(report.sim_throughput_wrs_per_s)} work "
+            f"requests/s, {format_count(report.sim_events_per_s or 0.0)} events/s of wall time"
+        )
+    click.echo(f"sweep took {report.duration_s:.1f} s")
+
+
+@click.command()
+@click.option(
+    "--backend",
+    metavar="NAME",
+    default=None,
+    help="Backend to measure: auto (an RDMA backend if one can run, else the simulator), efa, verbs "
+    "or sim.  [default: FABRIC_BACKEND, else auto]",
+)
+@click.option(
+    "--nics",
+    type=click.IntRange(1, 64),
+    default=None,
+    help="NICs per engine.  [default: FABRIC_NICS, else 2 on the simulator, else the backend's topology]",
+)
+@click.option(
+    "--sizes",
+    type=SizeListType(),
+    default=None,
+    help="Comma-separated write sizes, K/M/G binary suffixes allowed (8,4K,1M).  "
+    "[default: 8,64,512,4K,32K,256K,2M,16M,64M]",
+)
+@click.option("--min-size", type=SizeType(), default=None, help="Skip sizes below this (e.g. 4K).")
+@click.option("--max-size", type=SizeType(), default=None, help="Skip sizes above this (e.g. 1M).")
+@click.option(
+    "--iters",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Fixed number of timed writes per size in each phase.  [default: adaptive, time-bounded]",
+)
+@click.option(
+    "--link",
+    metavar="PRESET",
+    default=None,
+    help="Simulator only: link-model preset giving a virtual clock (cx7-400g, efa-p5, efa-p5en) or 'none'.  "
+    "[default: FABRIC_SIM_LINK, else cx7-400g]",
+)
+@click.option(
+    "--seed",
+    type=int,
+    default=None,
+    help="Simulator seed, also seeds the data pattern.  [default: FABRIC_SIM_SEED, else 0]",
+)
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write the results as one JSON document to this file.",
+)
+@click.option("--quick", is_flag=True, help="A sweep of a few seconds: fewer iterations and smaller windows.")
+def bench(
+    backend: str | None,
+    nics: int | None,
+    sizes: tuple[int, ...] | None,
+    min_size: int | None,
+    max_size: int | None,
+    iters: int | None,
+    link: str | None,
+    seed: int | None,
+    json_path: Path | None,
+    quick: bool,
+) -> None:
+    """Measure point-to-point latency, bandwidth, ops/s and the paged-write rate.
+
+    Two engines in this process, a writer and a target. For every size: latency is one write
+    with an imm followed by the target's counter wait (median and p99); bandwidth and ops/s come
+    from windows of writes submitted back to back, then one wait for their total count. The first
+    write of every size is checked byte for byte, so a broken backend fails loudly.
+
+    Wall-clock numbers are always reported. On the simulator with a link model, "sim" columns
+    give the virtual clock: latency from post until both ends saw completion, bandwidth from
+    the virtual time of the windows.
+    """
+    try:
+        settings = load_settings()
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    chosen = _sizes(sizes, min_size, max_size)
+    name = backend or settings.backend
+
+    def notice(text: str) -> None:
+        click.echo(f"fabric bench: {text}", err=True)
+
+    try:
+        resolved = resolve_backend(name, settings, notice)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--backend'") from None
+    except (BackendNotInstalled, BackendUnavailable) as exc:
+        raise click.ClickException(str(exc)) from None
+
+    if resolved == "sim":
+        wanted = link if link is not None else (settings.sim_link or DEFAULT_SIM_LINK)
+        link_name = None if wanted.lower() == "none" else wanted
+        presets = sim_link_presets()
+        if link_name is not None and link_name not in presets:
+            raise click.BadParameter(
+                f"unknown link preset {link_name!r}; presets: {', '.join(presets)}, or none",
+                param_hint="'--link'" if link is not None else "FABRIC_SIM_LINK",
+            )
+    elif link is not None:
+        raise click.UsageError(f"--link sets the simulator's link model; backend {resolved!r} has a real one")
+    else:
+        link_name = None
+    run_seed = settings.sim_seed if seed is None else seed
+    budget = QUICK_BUDGET if quick else DEFAULT_BUDGET
+
+    try:
+        with open_pair(resolved, nics=nics, link=link_name, seed=run_seed, settings=settings) as pair:
+            cols = _columns(pair.clock is not None)
+            click.echo(
+                f"fabric bench: backend {pair.backend} {pair.backend_version}, {pair.writer.num_nics} NICs, "
+                f"link {pair.link or 'none'}, seed {run_seed}, {'quick' if quick else 'full'} sweep "
+                f"of {len(chosen)} sizes"
+            )
+            click.echo(_row(cols, [c.header for c in cols]))
+            click.echo(_row(cols, ["-" * c.width for c in cols]))
+            report = run_sweep(
+                pair,
+                chosen,
+                budget=budget,
+                iters=iters,
+                seed=run_seed,
+                quick=quick,
+                timeout=settings.timeout_s,
+                on_result=lambda r: click.echo(_row(cols, [c.cell(r) for c in cols])),
+            )
+    except FabricError as exc:
+        raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+
+    _print_summary(report)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        click.echo(f"wrote {json_path}")
