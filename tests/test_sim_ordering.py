@@ -84,7 +84,7 @@ def test_flag_after_data_consumer_is_caught() -> None:
 
 
 def _trace(seed: int) -> list[tuple[int, tuple[int, ...]]]:
-    fabric, a, b, src, dst, smr, dmr = _setup(seed, nics=2, trace=True)
+    fabric, a, b, _src, _dst, smr, dmr = _setup(seed, nics=2, trace=True)
     try:
         with fabric.paused():
             ts = [a.submit_write(smr, 4096 * i, 20_000, dmr.descriptor, 4096 * i, imm=i) for i in range(5)]

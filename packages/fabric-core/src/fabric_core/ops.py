@@ -310,13 +310,24 @@ def _plan_write(r: WriteRequest, n: int, max_msg: int, rot: int) -> Plan:
     _span(do, length, dst.length, "destination")
     mode, k = _nics(r.routing, n, "write", allow_shard_peers=False)
     if mode == "pin":
-        offs, lens = np.zeros(1, _I64), np.array([length], _I64)
-        nic = np.full(1, k, _I64)
+        offs, lens, nics = [0], [length], [k]
     else:
-        offs, lens = _shards(length, k)
-        nic = (rot + np.arange(offs.size, dtype=_I64)) % n
-    zero = np.zeros(offs.size, _I64)
-    return _finish((nic, zero, so + offs, do + offs, lens), imm, (dst,), max_msg)
+        size = -(-length // k) if length else 0
+        size = -(-size // SHARD_ALIGN) * SHARD_ALIGN
+        count = -(-length // size) if length else 1
+        offs = [i * size for i in range(count)]
+        lens = [min(size, length - o) for o in offs]
+        nics = [(rot + i) % n for i in range(count)]
+    if max(lens) > max_msg:  # pieces: take the vectorised path
+        a_off = np.array(offs, _I64)
+        parts = (np.array(nics, _I64), np.zeros(len(offs), _I64), so + a_off, do + a_off, np.array(lens, _I64))
+        return _finish(parts, imm, (dst,), max_msg)
+    a_off = np.array(offs, _I64)
+    count = len(offs)
+    return Plan(
+        np.array(nics, _I64), np.zeros(count, _I64), so + a_off, do + a_off, np.array(lens, _I64),
+        imm, (dst,), (0 if imm is None else count,),
+    )
 
 
 def _plan_paged(r: PagedWriteRequest, n: int, max_msg: int, rot: int) -> Plan:
