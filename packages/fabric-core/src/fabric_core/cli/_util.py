@@ -1,12 +1,11 @@
-"""Helpers shared by the ``fabric`` commands: sizes, tables, the simulator seen through a Protocol."""
+"""Helpers shared by the ``fabric`` commands: sizes, versions, and the simulator seen through a Protocol."""
 
 from __future__ import annotations
 
 import importlib
 import re
-from importlib.metadata import PackageNotFoundError, version
-from collections.abc import Sequence
 from contextlib import AbstractContextManager
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Protocol, cast
 
 import click
@@ -17,15 +16,14 @@ from ..registry import install_hint
 
 __all__ = [
     "SimFabricLike",
-    "SizeListType",
-    "SizeType",
     "dist_version",
     "format_count",
     "format_size",
     "import_sim",
     "new_sim_fabric",
     "parse_size",
-    "render_table",
+    "size_option",
+    "sizes_option",
     "sim_link_presets",
 ]
 
@@ -45,7 +43,9 @@ def parse_size(text: str) -> int:
     """``"4096"``, ``"4K"``, ``"4KiB"``, ``"64M"``, ``"1G"`` → bytes (binary units); ValueError otherwise."""
     match = _SIZE_RE.match(text)
     if match is None:
-        raise ValueError(f"{text!r} is not a size: use bytes or a K/M/G suffix (binary), e.g. 4096, 4K, 64MiB")
+        raise ValueError(
+            f"{text!r} is not a size: use bytes or a K/M/G suffix (binary), e.g. 4096, 4K, 64MiB"
+        )
     value = int(match.group(1)) * _UNITS[match.group(2).upper()]
     if value <= 0:
         raise ValueError(f"size {text!r} must be positive")
@@ -68,46 +68,27 @@ def format_count(x: float) -> str:
     return f"{x:.3g}"
 
 
-class SizeType(click.ParamType):
-    """One size (``4096``, ``4K``, ``64MiB``) for click."""
-
-    name = "size"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        if isinstance(value, int):
-            return value
-        try:
-            return parse_size(str(value))
-        except ValueError as exc:
-            self.fail(str(exc), param, ctx)
+def size_option(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    """click callback: one size (``4096``, ``4K``, ``64MiB``) or None."""
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
 
 
-class SizeListType(click.ParamType):
-    """A comma-separated list of sizes (``8,4K,1M``) for click; sorted, duplicates removed."""
-
-    name = "sizes"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, ...]:
-        if isinstance(value, tuple):
-            return cast(tuple[int, ...], value)
-        parts = [p for p in str(value).split(",") if p.strip()]
-        if not parts:
-            self.fail("give at least one size, e.g. 8,4K,1M", param, ctx)
-        try:
-            return tuple(sorted({parse_size(p) for p in parts}))
-        except ValueError as exc:
-            self.fail(str(exc), param, ctx)
-
-
-def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Columns right-aligned to their widest cell, the first one left-aligned."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-
-    def line(cells: Sequence[str]) -> str:
-        out = [cells[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(cells[1:], widths[1:])]
-        return "  ".join(out).rstrip()
-
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+def sizes_option(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
+    """click callback: a comma-separated list of sizes (``8,4K,1M``), sorted, duplicates removed."""
+    if value is None:
+        return None
+    parts = [p for p in value.split(",") if p.strip()]
+    if not parts:
+        raise click.BadParameter("give at least one size, e.g. 8,4K,1M", ctx, param)
+    try:
+        return tuple(sorted({parse_size(p) for p in parts}))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
 
 
 class SimFabricLike(Protocol):
@@ -136,15 +117,12 @@ def import_sim() -> Any:
         raise BackendNotInstalled("sim", install_hint("sim")) from None
 
 
-def new_sim_fabric(seed: int, *, chunk_bytes: int, link: str | None) -> tuple[SimFabricLike, float | None]:
-    """A dedicated ``SimFabric`` (not the process-wide one) and its link rate in Gbit/s (None: no clock).
-
-    An unknown ``link`` preset raises ConfigError naming the presets.
-    """
+def new_sim_fabric(seed: int, *, chunk_bytes: int, link: str | None) -> SimFabricLike:
+    """A dedicated ``SimFabric`` (not the process-wide one); ``link`` names a link-model preset
+    (None: no virtual clock). An unknown preset raises ConfigError naming the presets."""
     sim = import_sim()
     model = sim.link_preset(link) if link is not None else None
-    fabric = sim.SimFabric(seed, chunk_bytes=chunk_bytes, link=model)
-    return cast(SimFabricLike, fabric), (float(model.bandwidth_gbps) if model is not None else None)
+    return cast(SimFabricLike, sim.SimFabric(seed, chunk_bytes=chunk_bytes, link=model))
 
 
 def sim_link_presets() -> list[str]:

@@ -35,13 +35,13 @@ from ..settings import FabricSettings, load_settings
 from ..transfer import Transfer
 from ._util import (
     SimFabricLike,
-    SizeListType,
-    SizeType,
     dist_version,
     format_count,
     format_size,
     new_sim_fabric,
     sim_link_presets,
+    size_option,
+    sizes_option,
 )
 
 __all__ = [
@@ -275,10 +275,10 @@ def open_pair(
     engines: list[TransferEngine] = []
     try:
         if backend == "sim":
-            fabric, _ = new_sim_fabric(seed, chunk_bytes=settings.sim_chunk_bytes, link=link)
+            fabric = new_sim_fabric(seed, chunk_bytes=settings.sim_chunk_bytes, link=link)
             count = nics or settings.nics or 2
             for _ in range(2):
-                engines.append(fabric.open_engine(count, backend="sim"))
+                engines.append(fabric.open_engine(count))
             pair = EnginePair("sim", dist_version("fabric-sim"), engines[0], engines[1], fabric, link)
         else:
             cls = registry.load_backend(backend)
@@ -356,7 +356,11 @@ class _Sweep:
         limit = self.iters if self.iters is not None else b.latency_max
         start = time.perf_counter()
         while len(wall) < limit:
-            if self.iters is None and len(wall) >= b.latency_min and time.perf_counter() - start > b.latency_s:
+            if (
+                self.iters is None
+                and len(wall) >= b.latency_min
+                and time.perf_counter() - start > b.latency_s
+            ):
                 break
             v0 = 0.0
             if clock is not None:
@@ -372,8 +376,11 @@ class _Sweep:
                 virt.append(clock.now - v0)
         return wall, virt
 
-    def rate(self, submit: Callable[[], Transfer], counter: ImmCounter, window: int) -> tuple[int, float, float]:
-        """Pipelined windows: (ops, wall seconds, virtual seconds or 0)."""
+    def rate(
+        self, submit: Callable[[], Transfer], counter: ImmCounter, window: int, *, baseline: bool = True
+    ) -> tuple[int, float, float]:
+        """Pipelined windows: (ops, wall seconds, virtual seconds or 0). With ``baseline`` the
+        phase counts towards the simulator's work-requests-per-second figure."""
         b, fabric, clock = self.budget, self.pair.fabric, self.pair.clock
         ops, wall, virt, rounds = 0, 0.0, 0.0, 0
         self.settle()
@@ -399,6 +406,8 @@ class _Sweep:
             ops += n
             rounds += 1
         self.settle()
+        if not baseline:
+            return ops, wall, virt
         if fabric is not None:
             self.rate_wrs += fabric.wrs_delivered - wrs0
             self.rate_events += fabric.events - ev0
@@ -407,7 +416,7 @@ class _Sweep:
 
     def verify_write(self, size: int, imm: int) -> int:
         """One write checked byte for byte (source offset and guard bytes included); its WR count."""
-        src_off = 8 + (size % 4001)  # an odd offset so a misplaced copy cannot look right
+        src_off = 8 + (size % 4001)  # unaligned, so a misplaced copy cannot look right
         self.dst[: size + GUARD] = 0
         before = self.writer.stats().work_requests
         transfer = self.writer.submit_write(self.src_mr, src_off, size, self.dst_mr.descriptor, 0, imm=imm)
@@ -420,7 +429,9 @@ class _Sweep:
                 f"(first at offset {int(bad[0])})"
             )
         if np.any(self.dst[size : size + GUARD]):
-            raise BenchFailure(f"data check failed for a {format_size(size)} write: bytes past its end changed")
+            raise BenchFailure(
+                f"data check failed for a {format_size(size)} write: bytes past its end changed"
+            )
         return max(1, self.writer.stats().work_requests - before)
 
     def size(self, size: int) -> SizeResult:
@@ -438,7 +449,9 @@ class _Sweep:
         rate_counter = self.target.counter(rate_imm)
         window = self.budget.window(size)
         ops, rate_wall, rate_virt = self.rate(
-            lambda: self.writer.submit_write(self.src_mr, 0, size, desc, 0, imm=rate_imm), rate_counter, window
+            lambda: self.writer.submit_write(self.src_mr, 0, size, desc, 0, imm=rate_imm),
+            rate_counter,
+            window,
         )
         self.check_drained(rate_counter, f"{format_size(size)} bandwidth")
 
@@ -485,10 +498,14 @@ class _Sweep:
         wall, virt = self.latency(lambda: submit(lat_imm), lat_counter)
         rate_imm = self.imm()
         rate_counter = self.target.counter(rate_imm)
-        ops, rate_wall, rate_virt = self.rate(lambda: submit(rate_imm), rate_counter, self.budget.paged_window)
+        ops, rate_wall, rate_virt = self.rate(
+            lambda: submit(rate_imm), rate_counter, self.budget.paged_window
+        )
         cost_imm = self.imm()
         cost_counter = self.target.counter(cost_imm)
-        costs = self.submit_costs(lambda: submit(cost_imm), cost_counter, max(8, self.budget.submit_calls // 40))
+        costs = self.submit_costs(
+            lambda: submit(cost_imm), cost_counter, max(8, self.budget.submit_calls // 40)
+        )
         for counter in (lat_counter, rate_counter, cost_counter):
             self.check_drained(counter, "paged write")
 
@@ -596,22 +613,23 @@ def _num(x: float) -> str:
 class _Column:
     header: str
     cell: Callable[[SizeResult], str]
+    min_width: int = 8
 
     @property
     def width(self) -> int:
-        return max(len(self.header), 10)
+        return max(len(self.header), self.min_width)
 
 
 def _columns(clock: bool) -> list[_Column]:
     cols = [
-        _Column("size", lambda r: format_size(r.size)),
-        _Column("iters", lambda r: str(r.iters)),
+        _Column("size", lambda r: format_size(r.size), 7),
+        _Column("iters", lambda r: str(r.iters), 5),
         _Column("lat p50 us", lambda r: _num(r.latency_us_p50)),
         _Column("lat p99 us", lambda r: _num(r.latency_us_p99)),
-        _Column("ops", lambda r: str(r.ops)),
+        _Column("ops", lambda r: str(r.ops), 6),
         _Column("GB/s", lambda r: _num(r.bandwidth_gbytes_per_s)),
         _Column("Gbit/s", lambda r: _num(r.bandwidth_gbps)),
-        _Column("ops/s", lambda r: format_count(r.ops_per_s)),
+        _Column("ops/s", lambda r: format_count(r.ops_per_s), 6),
     ]
     if clock:
         cols += [
@@ -624,14 +642,16 @@ def _columns(clock: bool) -> list[_Column]:
 
 def _row(cols: Sequence[_Column], cells: Sequence[str]) -> str:
     first = cells[0].ljust(cols[0].width)
-    return "  ".join([first, *(c.rjust(col.width) for c, col in zip(cells[1:], cols[1:]))])
+    return "  ".join([first, *(c.rjust(col.width) for c, col in zip(cells[1:], cols[1:], strict=True))])
 
 
 def _sizes(sizes: tuple[int, ...] | None, min_size: int | None, max_size: int | None) -> tuple[int, ...]:
     chosen = [s for s in (sizes or DEFAULT_SIZES) if (min_size is None or s >= min_size)]
     chosen = [s for s in chosen if max_size is None or s <= max_size]
     if min_size is not None and max_size is not None and min_size > max_size:
-        raise click.UsageError(f"--min-size ({format_size(min_size)}) exceeds --max-size ({format_size(max_size)})")
+        raise click.UsageError(
+            f"--min-size ({format_size(min_size)}) exceeds --max-size ({format_size(max_size)})"
+        )
     if not chosen:
         raise click.UsageError("no size left to measure between --min-size and --max-size")
     too_big = [s for s in chosen if s > MAX_SIZE]
@@ -652,9 +672,12 @@ def _print_summary(report: BenchReport) -> None:
             f"latency p50 {_num(paged.latency_us_p50)} us, submit {_num(paged.submit_cost_us)} us"
         )
         if paged.sim_pages_per_s is not None and paged.sim_latency_us_p50 is not None:
-            line += f"; simulated {format_count(paged.sim_pages_per_s)} pages/s, {_num(paged.sim_latency_us_p50)} us"
+            sim_rate, sim_lat = format_count(paged.sim_pages_per_s), _num(paged.sim_latency_us_p50)
+            line += f"; simulated {sim_rate} pages/s, latency {sim_lat} us"
         click.echo(line)
-    click.echo(f"submit cost (one 8 B write with imm, median of Python call): {_num(report.submit_cost_us)} us")
+    click.echo(
+        f"submit cost (one 8 B write with imm, median of Python call): {_num(report.submit_cost_us)} us"
+    )
     if report.sim_throughput_wrs_per_s is not None:
         click.echo(
             f"simulator throughput (bandwidth phases): {format_count(report.sim_throughput_wrs_per_s)} work "
@@ -679,13 +702,18 @@ def _print_summary(report: BenchReport) -> None:
 )
 @click.option(
     "--sizes",
-    type=SizeListType(),
+    metavar="LIST",
+    callback=sizes_option,
     default=None,
     help="Comma-separated write sizes, K/M/G binary suffixes allowed (8,4K,1M).  "
     "[default: 8,64,512,4K,32K,256K,2M,16M,64M]",
 )
-@click.option("--min-size", type=SizeType(), default=None, help="Skip sizes below this (e.g. 4K).")
-@click.option("--max-size", type=SizeType(), default=None, help="Skip sizes above this (e.g. 1M).")
+@click.option(
+    "--min-size", metavar="SIZE", callback=size_option, default=None, help="Skip sizes below this (e.g. 4K)."
+)
+@click.option(
+    "--max-size", metavar="SIZE", callback=size_option, default=None, help="Skip sizes above this (e.g. 1M)."
+)
 @click.option(
     "--iters",
     type=click.IntRange(min=1),

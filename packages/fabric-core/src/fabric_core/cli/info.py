@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import textwrap
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,7 +91,7 @@ class _Backend:
 def _describe(name: str, entry_point: str | None, settings: FabricSettings | None) -> _Backend:
     out = _Backend(name, entry_point)
     if entry_point is None:
-        out.reason = str(registry.probe(name).reason)
+        out.reason = registry.probe(name).reason
         return out
     try:
         cls = registry.load_backend(name)
@@ -141,7 +142,7 @@ def backend_report(only: str | None = None) -> list[dict[str, Any]]:
 
 
 def _show(value: Any) -> str:
-    return "(unset)" if value is None else str(value)
+    return "unset" if value is None else str(value)
 
 
 def _echo_backend(b: dict[str, Any]) -> None:
@@ -166,12 +167,15 @@ def _echo_backend(b: dict[str, Any]) -> None:
         dev = "cpu" if device["kind"] == "cpu" else f"cuda:{device['index']}"
         numa = group["numa_node"] if group["numa_node"] is not None else "-"
         cpus = f"{len(group['cpus'])} CPUs" if group["cpus"] else "CPUs -"
-        click.echo(f"      topology group {i}: device {dev}, NUMA {numa}, {cpus}, {len(group['domains'])} NICs")
+        click.echo(
+            f"      topology group {i}: device {dev}, NUMA {numa}, {cpus}, {len(group['domains'])} NICs"
+        )
         for d in group["domains"]:
             speed = f"{d['link_speed_gbps']:g} Gbit/s" if d["link_speed_gbps"] is not None else "speed -"
+            numa = d["numa_node"] if d["numa_node"] is not None else "-"
             click.echo(
                 f"        {d['name']}: provider {d['provider']}, {speed}, max message "
-                f"{format_size(d['max_msg_size'])}, NUMA {_show(d['numa_node'])}, PCI {_show(d['pci_bus_id'])}"
+                f"{format_size(d['max_msg_size'])}, NUMA {numa}, PCI {d['pci_bus_id'] or '-'}"
             )
     if b["topology_error"]:
         click.echo(f"      topology: detection failed: {b['topology_error']}")
@@ -180,10 +184,14 @@ def _echo_backend(b: dict[str, Any]) -> None:
 def _echo_settings(rows: list[dict[str, Any]], error: str | None) -> None:
     click.echo("Settings (FABRIC_* environment variables):")
     for r in rows:
-        source = "from environment" if r["env_value"] is not None else "default"
-        value = r["env_value"] if error is not None and r["env_value"] is not None else r["value"]
-        click.echo(f"  {r['env']}={_show(value)}  [{source}; default {_show(r['default'])}]")
-        click.echo(f"      {r['description']}")
+        if r["env_value"] is None:
+            value, source = r["value"] if error is None else r["default"], "default"
+        else:
+            value = r["value"] if error is None else r["env_value"]
+            source = f"set in the environment; default {_show(r['default'])}"
+        click.echo(f"  {r['env']}={_show(value)}  ({source})")
+        for line in textwrap.wrap(r["description"], 96):
+            click.echo(f"      {line}")
     if error is not None:
         click.echo(f"  error: {error}")
 
