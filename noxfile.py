@@ -102,7 +102,9 @@ def demo(session: nox.Session) -> None:
     out.mkdir(exist_ok=True)
     session.run("fabric", "demo")
     session.run("fabric", "info", "--backend", "sim")
-    session.run("fabric", "bench", "--backend", "sim", "--json", str(out / "sim-sweep.json"), *session.posargs)
+    session.run(
+        "fabric", "bench", "--backend", "sim", "--json", str(out / "sim-sweep.json"), *session.posargs
+    )
 
 
 @nox.session

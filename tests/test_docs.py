@@ -17,12 +17,20 @@ def _known_tests() -> set[str]:
     names = {n for n in dir(TransferEngineConformance) if n.startswith("test_")}
     for path in (ROOT / "tests").glob("test_*.py"):
         tree = ast.parse(path.read_text())
-        names |= {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
+        names |= {
+            n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")
+        }
     return names
 
 
 def test_concept_pages_exist() -> None:
-    assert {p.name for p in CONCEPTS} >= {"ordering.md", "counting.md", "errors.md", "routing.md", "lifecycle.md"}
+    assert {p.name for p in CONCEPTS} >= {
+        "ordering.md",
+        "counting.md",
+        "errors.md",
+        "routing.md",
+        "lifecycle.md",
+    }
 
 
 def test_every_named_test_exists() -> None:

@@ -42,8 +42,8 @@ from .ops import (
     Routing,
     ScatterRequest,
     ScatterTarget,
-    ShardPeers,
     Sharded,
+    ShardPeers,
     WriteRequest,
     plan_request,
 )

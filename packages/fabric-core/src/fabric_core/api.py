@@ -30,8 +30,8 @@ from .ops import (
     Routing,
     ScatterRequest,
     ScatterTarget,
-    ShardPeers,
     Sharded,
+    ShardPeers,
     WriteRequest,
     plan_request,
 )
@@ -152,8 +152,17 @@ class TransferEngine(ABC):
     ) -> Transfer:
         return self.submit(
             PagedWriteRequest(
-                src, src_pages, src_stride, dst, dst_pages, dst_stride, page_length,
-                src_offset, dst_offset, imm, routing,
+                src,
+                src_pages,
+                src_stride,
+                dst,
+                dst_pages,
+                dst_stride,
+                page_length,
+                src_offset,
+                dst_offset,
+                imm,
+                routing,
             )
         )
 

@@ -164,9 +164,7 @@ class MemoryRegionDescriptor(BaseModel):
         return self.nics[0].address
 
     def to_bytes(self) -> bytes:
-        flags = (_FLAG_WRITABLE if self.writable else 0) | (
-            _FLAG_CUDA if self.device.kind == "cuda" else 0
-        )
+        flags = (_FLAG_WRITABLE if self.writable else 0) | (_FLAG_CUDA if self.device.kind == "cuda" else 0)
         parts = [
             _HEADER.pack(
                 _MAGIC, self.version, flags, self.device.index, len(self.nics), self.ptr, self.length
@@ -254,4 +252,7 @@ class MemoryRegion(BaseModel):
     _engine_id: int = PrivateAttr(default=0)
 
     def __repr__(self) -> str:
-        return f"MemoryRegion(handle={self.handle}, ptr={self.ptr:#x}, length={self.length}, device={self.device})"
+        return (
+            f"MemoryRegion(handle={self.handle}, ptr={self.ptr:#x}, length={self.length}, "
+            f"device={self.device})"
+        )

@@ -320,13 +320,25 @@ def _plan_write(r: WriteRequest, n: int, max_msg: int, rot: int) -> Plan:
         nics = [(rot + i) % n for i in range(count)]
     if max(lens) > max_msg:  # pieces: take the vectorised path
         a_off = np.array(offs, _I64)
-        parts = (np.array(nics, _I64), np.zeros(len(offs), _I64), so + a_off, do + a_off, np.array(lens, _I64))
+        parts = (
+            np.array(nics, _I64),
+            np.zeros(len(offs), _I64),
+            so + a_off,
+            do + a_off,
+            np.array(lens, _I64),
+        )
         return _finish(parts, imm, (dst,), max_msg)
     a_off = np.array(offs, _I64)
     count = len(offs)
     return Plan(
-        np.array(nics, _I64), np.zeros(count, _I64), so + a_off, do + a_off, np.array(lens, _I64),
-        imm, (dst,), (0 if imm is None else count,),
+        np.array(nics, _I64),
+        np.zeros(count, _I64),
+        so + a_off,
+        do + a_off,
+        np.array(lens, _I64),
+        imm,
+        (dst,),
+        (0 if imm is None else count,),
     )
 
 
@@ -353,10 +365,9 @@ def _plan_paged(r: PagedWriteRequest, n: int, max_msg: int, rot: int) -> Plan:
             raise ConfigError("dst_pages names a page twice: two writes would race on its bytes")
     mode, k = _nics(r.routing, n, "paged write", allow_shard_peers=False)
     count = sp.size
-    if mode == "pin":
-        nic = np.full(count, k, _I64)
-    else:
-        nic = (rot + (np.arange(count, dtype=_I64) * k) // count) % n
+    # Sharded: NIC j of k takes the j-th contiguous range of the page list.
+    spread = (rot + (np.arange(count, dtype=_I64) * k) // count) % n
+    nic = np.full(count, k, _I64) if mode == "pin" else spread
     return _finish(
         (nic, np.zeros(count, _I64), so + sp * ss, do + dp * ds, np.full(count, plen, _I64)),
         imm,
@@ -381,7 +392,10 @@ def _plan_scatter(r: ScatterRequest, n: int, max_msg: int, rot: int) -> Plan:
         if members is not None and dst.peer.raw not in members:
             raise ConfigError(f"targets[{j}] is not a member of the peer group {r.group.handle}")  # type: ignore[union-attr]
         length = _int(t.length, f"targets[{j}].length")
-        so, do = _int(t.src_offset, f"targets[{j}].src_offset"), _int(t.dst_offset, f"targets[{j}].dst_offset")
+        so, do = (
+            _int(t.src_offset, f"targets[{j}].src_offset"),
+            _int(t.dst_offset, f"targets[{j}].dst_offset"),
+        )
         _span(so, length, src.length, f"targets[{j}] source")
         _span(do, length, dst.length, f"targets[{j}] destination")
         if mode == "shard":

@@ -10,7 +10,14 @@ from .api import API_VERSION, Backend, ProbeResult, TransferEngine
 from .errors import BackendNotInstalled, BackendUnavailable, BackendVersionMismatch, ConfigError
 from .settings import FabricSettings, load_settings
 
-__all__ = ["AUTO_ORDER", "backend_version", "install_hint", "installed_backends", "load_backend", "open_engine"]
+__all__ = [
+    "AUTO_ORDER",
+    "backend_version",
+    "install_hint",
+    "installed_backends",
+    "load_backend",
+    "open_engine",
+]
 
 logger = logging.getLogger(__name__)
 

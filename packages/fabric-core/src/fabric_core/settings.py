@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .errors import ConfigError
@@ -61,6 +61,11 @@ class FabricSettings(BaseSettings):
         description="Simulator: link-model preset for a virtual clock "
         "(e.g. 'cx7-400g', 'efa-p5'); unset means no timing model.",
     )
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, value: object) -> object:
+        return value.upper() if isinstance(value, str) else value
 
 
 def load_settings(**overrides: Any) -> FabricSettings:

@@ -90,7 +90,12 @@ class SimEngine(TransferEngine):
         )
         speed = fabric.link.bandwidth_gbps if fabric.link is not None else None
         self._domains = tuple(
-            DomainInfo(name=f"sim{self.engine_id}.{i}", provider="sim", link_speed_gbps=speed, max_msg_size=self._max_msg)
+            DomainInfo(
+                name=f"sim{self.engine_id}.{i}",
+                provider="sim",
+                link_speed_gbps=speed,
+                max_msg_size=self._max_msg,
+            )
             for i in range(nics)
         )
 
@@ -156,7 +161,12 @@ class SimEngine(TransferEngine):
             nics=tuple(NicKey(address=a, rkey=k) for a, k in zip(self._addresses, rkeys, strict=True)),
         )
         region = MemoryRegion(
-            handle=handle, ptr=span.ptr, length=span.length, device=span.device, writable=can_write, descriptor=desc
+            handle=handle,
+            ptr=span.ptr,
+            length=span.length,
+            device=span.device,
+            writable=can_write,
+            descriptor=desc,
         )
         region._keepalive = span.keepalive
         region._engine_id = id(self)
@@ -197,12 +207,11 @@ class SimEngine(TransferEngine):
         group = getattr(request, "group", None)
         if group is not None and (not isinstance(group, PeerGroup) or group.handle not in self._made_groups):
             raise ConfigError("the peer group was not made by this engine")
-        with self._lock:
-            rotation = self._rotation
-            self._rotation += 1
-        plan = plan_request(request, self._nics, self._max_msg, rotation)
+        plan = plan_request(request, self._nics, self._max_msg, self._rotation)
         transfer = Transfer(plan.imms_per_target, dispatcher=self._dispatch, default_timeout=self._timeout)
-        self._stat_submitted += 1
+        with self._lock:
+            self._rotation += 1
+            self._stat_submitted += 1
         self._fabric.post(self, plan, transfer, src_ptr)
         return transfer
 
@@ -238,7 +247,8 @@ class SimEngine(TransferEngine):
                 "move bulk data with a one-sided write"
             )
         transfer = Transfer((0,), dispatcher=self._dispatch, default_timeout=self._timeout)
-        self._stat_submitted += 1
+        with self._lock:
+            self._stat_submitted += 1
         self._fabric.post_message(self, peer, payload, transfer)
         return transfer
 

@@ -58,8 +58,16 @@ class _WR:
     __slots__ = ("dst", "dst_addr", "error", "imm", "left", "length", "nic", "rkey", "src", "src_ptr", "xfer")
 
     def __init__(
-        self, xfer: _Xfer, dst: int, nic: int, src_ptr: int, dst_addr: int, length: int,
-        rkey: int, imm: int | None, chunks: int,
+        self,
+        xfer: _Xfer,
+        dst: int,
+        nic: int,
+        src_ptr: int,
+        dst_addr: int,
+        length: int,
+        rkey: int,
+        imm: int | None,
+        chunks: int,
     ) -> None:
         self.xfer, self.dst, self.nic = xfer, dst, nic
         self.src = xfer.engine.engine_id
@@ -171,6 +179,8 @@ class SimFabric:
 
         from .engine import SimEngine
 
+        if config.pop("backend", "sim") != "sim":
+            raise ConfigError("a SimFabric opens simulator engines only")
         return SimEngine(self, load_settings(backend="sim", **config), nics)
 
     # --- faults ----------------------------------------------------------------------
@@ -258,8 +268,15 @@ class SimFabric:
                     continue
                 length = lengths[i]
                 wr = _WR(
-                    xfer, dst, nic, src_ptr + src_offs[i], desc.ptr + dst_offs[i], length,
-                    desc.nics[nic].rkey, plan.imm, self._chunks(length),
+                    xfer,
+                    dst,
+                    nic,
+                    src_ptr + src_offs[i],
+                    desc.ptr + dst_offs[i],
+                    length,
+                    desc.nics[nic].rkey,
+                    plan.imm,
+                    self._chunks(length),
                 )
                 self._post_wr(wr)
             self._cv.notify_all()
@@ -403,7 +420,8 @@ class SimFabric:
         if reg is None:
             return RemoteAccessError(
                 f"peer {peer} has no live registration for this key (deregistered or forged)",
-                peer=peer, nic=wr.nic,
+                peer=peer,
+                nic=wr.nic,
             )
         lo = wr.dst_addr + off
         if lo < reg.ptr or lo + n > reg.ptr + reg.length:
@@ -430,7 +448,11 @@ class SimFabric:
         if err is not None:
             if xfer.error is None:
                 xfer.error = err
-            if isinstance(err, TransportError) and err.nic is not None and not isinstance(err, RemoteAccessError):
+            if (
+                isinstance(err, TransportError)
+                and err.nic is not None
+                and not isinstance(err, RemoteAccessError)
+            ):
                 logger.debug("fabric-sim: WR failed on NIC %s: %s", err.nic, err)
         else:
             engine._stat_wrs += 1

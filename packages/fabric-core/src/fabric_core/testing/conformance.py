@@ -38,8 +38,8 @@ from ..ops import (
     Routing,
     ScatterRequest,
     ScatterTarget,
-    ShardPeers,
     Sharded,
+    ShardPeers,
     WriteRequest,
 )
 from .harness import Harness
@@ -208,15 +208,26 @@ class PagedConformance(_Base):
         src_idx = rng.permutation(pages)
         dst_idx = rng.choice(128, pages, replace=False)
         t = p.a.submit_paged_write(
-            p.src_mr, src_idx, sstride, p.desc, dst_idx, dstride, plen, src_offset=11, dst_offset=3,
-            imm=21, routing=ROUTINGS[route](nics),
+            p.src_mr,
+            src_idx,
+            sstride,
+            p.desc,
+            dst_idx,
+            dstride,
+            plen,
+            src_offset=11,
+            dst_offset=3,
+            imm=21,
+            routing=ROUTINGS[route](nics),
         )
         assert t.imms_at_target == pages
         p.b.counter(21).wait(pages, timeout=T)
         t.wait(T)
         expect = _canary(p.dst.size)
         for s, d in zip(src_idx.tolist(), dst_idx.tolist(), strict=True):
-            expect[3 + d * dstride : 3 + d * dstride + plen] = p.src[11 + s * sstride : 11 + s * sstride + plen]
+            expect[3 + d * dstride : 3 + d * dstride + plen] = p.src[
+                11 + s * sstride : 11 + s * sstride + plen
+            ]
         assert np.array_equal(p.dst, expect)
         _assert_no_extra(p.b, 21, h)
 
@@ -252,7 +263,9 @@ class PagedConformance(_Base):
 class ScatterConformance(_Base):
     """Scatters and barriers reach every target with the counts they report."""
 
-    def _fleet(self, h: Harness, nics: int) -> tuple[TransferEngine, MemoryRegion, Buf, list[tuple[TransferEngine, Buf, MemoryRegion]]]:
+    def _fleet(
+        self, h: Harness, nics: int
+    ) -> tuple[TransferEngine, MemoryRegion, Buf, list[tuple[TransferEngine, Buf, MemoryRegion]]]:
         a = h.open_engine(nics)
         src = _data(1 << 16, 2)
         targets = []
@@ -267,12 +280,19 @@ class ScatterConformance(_Base):
     def test_scatter_reaches_every_target(self, h: Harness, nics: int, route: str) -> None:
         _nics_ok(h, nics)
         a, mr, src, targets = self._fleet(h, nics)
-        choices: dict[str, Routing] = {"shard-peers": ShardPeers(), "sharded": Sharded(), "pinned": Pinned(nics - 1)}
+        choices: dict[str, Routing] = {
+            "shard-peers": ShardPeers(),
+            "sharded": Sharded(),
+            "pinned": Pinned(nics - 1),
+        }
         routing = choices[route]
         spec = [(9000 + 4096 * j, 100 * j, 7 * j) for j in range(3)]
         t = a.submit_scatter(
             mr,
-            [ScatterTarget(reg.descriptor, n, so, do) for (_, _, reg), (n, so, do) in zip(targets, spec, strict=True)],
+            [
+                ScatterTarget(reg.descriptor, n, so, do)
+                for (_, _, reg), (n, so, do) in zip(targets, spec, strict=True)
+            ],
             imm=31,
             routing=routing,
         )
@@ -290,8 +310,10 @@ class ScatterConformance(_Base):
         group = a.peer_group([reg.descriptor for _, _, reg in targets])
         for step in range(3):
             t = a.submit_scatter(
-                mr, [ScatterTarget(reg.descriptor, 512, step * 512, step * 512) for _, _, reg in targets],
-                imm=40 + step, group=group,
+                mr,
+                [ScatterTarget(reg.descriptor, 512, step * 512, step * 512) for _, _, reg in targets],
+                imm=40 + step,
+                group=group,
             )
             for (e, buf, _), imms in zip(targets, t.imms_per_target, strict=True):
                 e.counter(40 + step).wait(imms, timeout=T)
@@ -324,10 +346,16 @@ def _requests(p: Pair, nics: int) -> dict[str, Request]:
         "write-sharded-2": WriteRequest(p.src_mr, 0, 40_000, d, 0, 1, Sharded(min(2, nics))),
         "write-pinned": WriteRequest(p.src_mr, 0, 40_000, d, 0, 1, Pinned(nics - 1)),
         "write-small": WriteRequest(p.src_mr, 0, 8, d, 0, 1, Sharded()),
-        "paged-sharded": PagedWriteRequest(p.src_mr, np.arange(10), 1000, d, np.arange(10), 1000, 1000, 0, 0, 1),
+        "paged-sharded": PagedWriteRequest(
+            p.src_mr, np.arange(10), 1000, d, np.arange(10), 1000, 1000, 0, 0, 1
+        ),
         "paged-pinned": PagedWriteRequest(p.src_mr, [1, 2], 1000, d, [2, 1], 1000, 999, 0, 0, 1, Pinned(0)),
-        "scatter-peers": ScatterRequest(p.src_mr, [ScatterTarget(d, 30_000), ScatterTarget(d, 5, 0, 40_000)], 1),
-        "scatter-bytes": ScatterRequest(p.src_mr, [ScatterTarget(d, 30_000), ScatterTarget(d, 5, 0, 40_000)], 1, Sharded()),
+        "scatter-peers": ScatterRequest(
+            p.src_mr, [ScatterTarget(d, 30_000), ScatterTarget(d, 5, 0, 40_000)], 1
+        ),
+        "scatter-bytes": ScatterRequest(
+            p.src_mr, [ScatterTarget(d, 30_000), ScatterTarget(d, 5, 0, 40_000)], 1, Sharded()
+        ),
         "imm": ImmRequest(d, 1),
         "barrier": BarrierRequest([d, d], 1),
     }
@@ -339,8 +367,18 @@ class RoutingConformance(_Base):
     @pytest.mark.parametrize("nics", NICS)
     @pytest.mark.parametrize(
         "kind",
-        ["write-sharded", "write-sharded-2", "write-pinned", "write-small", "paged-sharded",
-         "paged-pinned", "scatter-peers", "scatter-bytes", "imm", "barrier"],
+        [
+            "write-sharded",
+            "write-sharded-2",
+            "write-pinned",
+            "write-small",
+            "paged-sharded",
+            "paged-pinned",
+            "scatter-peers",
+            "scatter-bytes",
+            "imm",
+            "barrier",
+        ],
     )
     def test_imms_at_target_matches_count(self, h: Harness, nics: int, kind: str) -> None:
         _nics_ok(h, nics)
@@ -460,7 +498,9 @@ class CounterConformance(_Base):
             for i in range(60):
                 imm = 100 + i % 3
                 routing: Routing = Pinned(i % nics) if i % 2 else Sharded()
-                t = p.a.submit_write(p.src_mr, 0, 1 + 997 * i, p.desc, 4096 * (i % 8), imm=imm, routing=routing)
+                t = p.a.submit_write(
+                    p.src_mr, 0, 1 + 997 * i, p.desc, 4096 * (i % 8), imm=imm, routing=routing
+                )
                 expected[imm] += t.imms_at_target
         for imm, n in expected.items():
             p.b.counter(imm).wait(n, timeout=T)
@@ -473,7 +513,9 @@ class CounterConformance(_Base):
         transfers = []
         with h.hold():
             for i in range(16):
-                transfers.append(p.a.submit_write(p.src_mr, 16_000 * i, 15_000, p.desc, 16_000 * i, imm=200 + i))
+                transfers.append(
+                    p.a.submit_write(p.src_mr, 16_000 * i, 15_000, p.desc, 16_000 * i, imm=200 + i)
+                )
         for i in reversed(range(16)):
             p.b.counter(200 + i).wait(transfers[i].imms_at_target, timeout=T)
             lo = 16_000 * i
@@ -503,32 +545,75 @@ def _deregistered(p: Pair, ctx: dict[str, Any]) -> object:
 
 
 BAD: dict[str, _Bad] = {
-    "dst-out-of-bounds": _Bad(lambda p, c: p.a.submit_write(p.src_mr, 0, 16, p.desc, p.desc.length - 8, imm=1), match="exceed"),
-    "src-out-of-bounds": _Bad(lambda p, c: p.a.submit_write(p.src_mr, p.src_mr.length - 8, 16, p.desc, 0, imm=1), match="exceed"),
-    "negative-length": _Bad(lambda p, c: p.a.submit_write(p.src_mr, 0, -1, p.desc, 0, imm=1), match="non-negative"),
-    "negative-offset": _Bad(lambda p, c: p.a.submit_write(p.src_mr, -8, 8, p.desc, 0, imm=1), match="non-negative"),
-    "overflowing-length": _Bad(lambda p, c: p.a.submit_write(p.src_mr, 0, 1 << 64, p.desc, 0, imm=1), match="2\\*\\*63"),
+    "dst-out-of-bounds": _Bad(
+        lambda p, c: p.a.submit_write(p.src_mr, 0, 16, p.desc, p.desc.length - 8, imm=1), match="exceed"
+    ),
+    "src-out-of-bounds": _Bad(
+        lambda p, c: p.a.submit_write(p.src_mr, p.src_mr.length - 8, 16, p.desc, 0, imm=1), match="exceed"
+    ),
+    "negative-length": _Bad(
+        lambda p, c: p.a.submit_write(p.src_mr, 0, -1, p.desc, 0, imm=1), match="non-negative"
+    ),
+    "negative-offset": _Bad(
+        lambda p, c: p.a.submit_write(p.src_mr, -8, 8, p.desc, 0, imm=1), match="non-negative"
+    ),
+    "overflowing-length": _Bad(
+        lambda p, c: p.a.submit_write(p.src_mr, 0, 1 << 64, p.desc, 0, imm=1), match="2\\*\\*63"
+    ),
     "float-length": _Bad(lambda p, c: p.a.submit_write(p.src_mr, 0, 8.0, p.desc, 0, imm=1), match="int"),  # type: ignore[arg-type]
-    "imm-negative": _Bad(lambda p, c: p.a.submit_write(p.src_mr, 0, 8, p.desc, 0, imm=-1), match="out of range"),
-    "imm-too-large": _Bad(lambda p, c: p.a.submit_write(p.src_mr, 0, 8, p.desc, 0, imm=1 << 32), match="out of range"),
+    "imm-negative": _Bad(
+        lambda p, c: p.a.submit_write(p.src_mr, 0, 8, p.desc, 0, imm=-1), match="out of range"
+    ),
+    "imm-too-large": _Bad(
+        lambda p, c: p.a.submit_write(p.src_mr, 0, 8, p.desc, 0, imm=1 << 32), match="out of range"
+    ),
     "imm-not-int": _Bad(lambda p, c: p.a.submit_imm(p.desc, "1"), match="int"),  # type: ignore[arg-type]
     "foreign-source": _Bad(_other_src, match="not registered"),
     "deregistered-source": _Bad(_deregistered, match="not registered"),
-    "wrong-nic-count": _Bad(lambda p, c: p.a.submit_write(p.src_mr, 0, 8, c["one_nic_desc"], 0, imm=1), match="NIC"),
-    "read-only-target": _Bad(lambda p, c: p.a.submit_write(p.src_mr, 0, 8, c["ro_desc"], 0, imm=1), match="read-only"),
-    "pinned-out-of-range": _Bad(lambda p, c: p.a.submit_write(p.src_mr, 0, 8, p.desc, 0, imm=1, routing=Pinned(9)), match="NIC"),
-    "sharded-too-many": _Bad(lambda p, c: p.a.submit_write(p.src_mr, 0, 8, p.desc, 0, imm=1, routing=Sharded(9)), match="NICs"),
-    "shard-peers-on-write": _Bad(lambda p, c: p.a.submit_write(p.src_mr, 0, 8, p.desc, 0, imm=1, routing=ShardPeers()), match="ShardPeers"),
-    "paged-page-out-of-range": _Bad(lambda p, c: p.a.submit_paged_write(p.src_mr, [0], 64, p.desc, [10_000], 64, 64, imm=1), match="destination page"),
-    "paged-negative-index": _Bad(lambda p, c: p.a.submit_paged_write(p.src_mr, [-1], 64, p.desc, [0], 64, 64, imm=1), match="negative"),
-    "paged-duplicate-dst": _Bad(lambda p, c: p.a.submit_paged_write(p.src_mr, [0, 1], 64, p.desc, [2, 2], 64, 64, imm=1), match="twice"),
-    "paged-overlapping-stride": _Bad(lambda p, c: p.a.submit_paged_write(p.src_mr, [0, 1], 64, p.desc, [0, 1], 32, 64, imm=1), match="overlap"),
-    "paged-length-mismatch": _Bad(lambda p, c: p.a.submit_paged_write(p.src_mr, [0, 1], 64, p.desc, [0], 64, 64, imm=1), match="entries"),
-    "paged-float-indices": _Bad(lambda p, c: p.a.submit_paged_write(p.src_mr, [0.5], 64, p.desc, [0], 64, 64, imm=1), match="integers"),
+    "wrong-nic-count": _Bad(
+        lambda p, c: p.a.submit_write(p.src_mr, 0, 8, c["one_nic_desc"], 0, imm=1), match="NIC"
+    ),
+    "read-only-target": _Bad(
+        lambda p, c: p.a.submit_write(p.src_mr, 0, 8, c["ro_desc"], 0, imm=1), match="read-only"
+    ),
+    "pinned-out-of-range": _Bad(
+        lambda p, c: p.a.submit_write(p.src_mr, 0, 8, p.desc, 0, imm=1, routing=Pinned(9)), match="NIC"
+    ),
+    "sharded-too-many": _Bad(
+        lambda p, c: p.a.submit_write(p.src_mr, 0, 8, p.desc, 0, imm=1, routing=Sharded(9)), match="NICs"
+    ),
+    "shard-peers-on-write": _Bad(
+        lambda p, c: p.a.submit_write(p.src_mr, 0, 8, p.desc, 0, imm=1, routing=ShardPeers()),
+        match="ShardPeers",
+    ),
+    "paged-page-out-of-range": _Bad(
+        lambda p, c: p.a.submit_paged_write(p.src_mr, [0], 64, p.desc, [10_000], 64, 64, imm=1),
+        match="destination page",
+    ),
+    "paged-negative-index": _Bad(
+        lambda p, c: p.a.submit_paged_write(p.src_mr, [-1], 64, p.desc, [0], 64, 64, imm=1), match="negative"
+    ),
+    "paged-duplicate-dst": _Bad(
+        lambda p, c: p.a.submit_paged_write(p.src_mr, [0, 1], 64, p.desc, [2, 2], 64, 64, imm=1),
+        match="twice",
+    ),
+    "paged-overlapping-stride": _Bad(
+        lambda p, c: p.a.submit_paged_write(p.src_mr, [0, 1], 64, p.desc, [0, 1], 32, 64, imm=1),
+        match="overlap",
+    ),
+    "paged-length-mismatch": _Bad(
+        lambda p, c: p.a.submit_paged_write(p.src_mr, [0, 1], 64, p.desc, [0], 64, 64, imm=1), match="entries"
+    ),
+    "paged-float-indices": _Bad(
+        lambda p, c: p.a.submit_paged_write(p.src_mr, [0.5], 64, p.desc, [0], 64, 64, imm=1), match="integers"
+    ),
     "scatter-no-targets": _Bad(lambda p, c: p.a.submit_scatter(p.src_mr, [], imm=1), match="at least one"),
     "barrier-no-dsts": _Bad(lambda p, c: p.a.submit_barrier([], 1), match="at least one"),
     "not-a-request": _Bad(lambda p, c: p.a.submit("write 8 bytes"), match="request"),  # type: ignore[arg-type]
-    "send-too-large": _Bad(lambda p, c: p.a.submit_send(p.b.address, b"x" * (p.a.capabilities.max_send_size + 1)), match="max_send_size"),
+    "send-too-large": _Bad(
+        lambda p, c: p.a.submit_send(p.b.address, b"x" * (p.a.capabilities.max_send_size + 1)),
+        match="max_send_size",
+    ),
 }
 
 
@@ -550,7 +635,9 @@ class ValidationConformance(_Base):
             "scratch": scratch,
         }
         if case == "wrong-nic-count" and p.a.num_nics == 1:
-            ctx["one_nic_desc"] = h.open_engine(2).register(np.zeros(64, np.uint8)).descriptor if h.max_nics >= 2 else None
+            ctx["one_nic_desc"] = (
+                h.open_engine(2).register(np.zeros(64, np.uint8)).descriptor if h.max_nics >= 2 else None
+            )
             if ctx["one_nic_desc"] is None:
                 pytest.skip("needs two NIC counts")
         bad = BAD[case]
@@ -730,7 +817,10 @@ class FaultConformance(_Base):
         p = _pair(h, 2, size=1 << 17)
         with h.hold():
             sharded = [p.a.submit_write(p.src_mr, 0, 40_000, p.desc, 0, imm=7) for _ in range(4)]
-            pinned = [p.a.submit_write(p.src_mr, 0, 40_000, p.desc, 50_000, imm=8, routing=Pinned(0)) for _ in range(4)]
+            pinned = [
+                p.a.submit_write(p.src_mr, 0, 40_000, p.desc, 50_000, imm=8, routing=Pinned(0))
+                for _ in range(4)
+            ]
             h.kill_nic(p.b, 1)
         for t in sharded:  # each has a shard on NIC 1
             assert isinstance(t.exception(T), TransportError)
