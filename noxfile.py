@@ -108,6 +108,20 @@ def demo(session: nox.Session) -> None:
 
 
 @nox.session
+def bench(session: nox.Session) -> None:
+    """The simulator baseline: a full sweep, committed as JSON and a plot in benchmarks/results."""
+    _install(session, editable=False)
+    session.install(*CONSTRAINTS, "matplotlib")
+    out = ROOT / "benchmarks" / "results"
+    session.run(
+        "fabric", "bench", "--backend", "sim", "--json", str(out / "sim-baseline.json"), *session.posargs
+    )
+    session.run(
+        "python", "benchmarks/plot_sweep.py", str(out / "sim-baseline.json"), str(out / "sim-baseline.png")
+    )
+
+
+@nox.session
 def soak(session: nox.Session) -> None:
     """The conformance suite over many more seeds (FABRIC_SOAK_SEEDS, default 200)."""
     _install(session, "test")
