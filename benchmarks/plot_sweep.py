@@ -12,7 +12,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def plot(sweep: dict, out: Path) -> None:  # type: ignore[type-arg]
@@ -31,7 +31,8 @@ def plot(sweep: dict, out: Path) -> None:  # type: ignore[type-arg]
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.suptitle(
-        f"fabric bench on {sweep['backend']} ({sweep['nics']} NICs): submit {sweep['submit_cost_us']:.1f} µs, "
+        f"fabric bench on {sweep['backend']} ({sweep['nics']} NICs): "
+        f"submit {sweep['submit_cost_us']:.1f} µs, "
         f"{sweep['sim_throughput_wrs_per_s'] / 1e3:.1f}k simulated WRs/s of wall time"
     )
     fig.tight_layout()
