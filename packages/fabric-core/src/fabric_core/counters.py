@@ -15,6 +15,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .errors import ConfigError, TransferTimeout
 from .models import DomainAddress
 from .transfer import CallbackDispatcher
@@ -25,11 +27,12 @@ IMM_LIMIT = 1 << 32
 
 
 def check_imm(imm: object, what: str = "imm") -> int:
-    if isinstance(imm, bool) or not isinstance(imm, int):
+    if isinstance(imm, bool) or not isinstance(imm, (int, np.integer)):
         raise ConfigError(f"{what} must be an int in [0, 2**32), got {type(imm).__name__}")
-    if not 0 <= imm < IMM_LIMIT:
-        raise ConfigError(f"{what} {imm} is out of range: imms are 32-bit, [0, 2**32)")
-    return imm
+    value = int(imm)
+    if not 0 <= value < IMM_LIMIT:
+        raise ConfigError(f"{what} {value} is out of range: imms are 32-bit, [0, 2**32)")
+    return value
 
 
 @dataclass(eq=False)
@@ -114,11 +117,17 @@ class CounterTable:
             return False
 
     def _remove(self, imm: int, waiter: _Waiter) -> bool:
+        return self._withdraw(imm, waiter) is not None
+
+    def _withdraw(self, imm: int, waiter: _Waiter) -> int | None:
+        """Take an unsettled waiter out of the queue; returns the count it saw (None if it
+        had already fired or failed)."""
         fired: list[_Waiter] = []
         with self._lock:
             if waiter.settled:
-                return False
+                return None
             slot = self._slots[imm]
+            seen = slot.count
             slot.waiters.remove(waiter)
             waiter.settled = True
             # A large waiter that left the head may unblock smaller ones behind it.
@@ -129,7 +138,7 @@ class CounterTable:
                 fired.append(w)
         for w in fired:
             w.fire(None)
-        return True
+        return seen
 
     def _refund(self, imm: int, n: int) -> None:
         """Return consumed counts (a waiter was cancelled just as it fired)."""
@@ -146,6 +155,7 @@ class CounterTable:
                 for w in slot.waiters:
                     if w.peer == peer:
                         w.settled = True
+                        w.error = exc
                         failed.append(w)
                     else:
                         keep.append(w)
@@ -223,11 +233,9 @@ class TableCounter(ImmCounter):
     def value(self) -> int:
         return self._table.value(self.imm)
 
-    def _timeout(self, n: int, limit: float) -> TransferTimeout:
+    def _timeout(self, n: int, limit: float, seen: int) -> TransferTimeout:
         return TransferTimeout(
-            f"counter wait timed out after {limit:g} s",
-            expected={self.imm: n},
-            received={self.imm: self._table.value(self.imm)},
+            f"counter wait timed out after {limit:g} s", expected={self.imm: n}, received={self.imm: seen}
         )
 
     def wait(self, n: int = 1, timeout: float | None = None, *, peer: DomainAddress | None = None) -> None:
@@ -243,8 +251,10 @@ class TableCounter(ImmCounter):
         waiter = _Waiter(n, fire, peer.raw if peer is not None else None)
         if self._table._arm(self.imm, waiter):
             return
-        if not done.wait(None if math.isinf(limit) else limit) and self._table._remove(self.imm, waiter):
-            raise self._timeout(n, limit)
+        if not done.wait(None if math.isinf(limit) else limit):
+            seen = self._table._withdraw(self.imm, waiter)
+            if seen is not None:
+                raise self._timeout(n, limit, seen)
         done.wait()
         if box[0] is not None:
             raise box[0]
@@ -275,8 +285,9 @@ class TableCounter(ImmCounter):
         try:
             await asyncio.wait_for(asyncio.shield(fut), None if math.isinf(limit) else limit)
         except asyncio.TimeoutError:
-            if self._table._remove(self.imm, waiter):
-                raise self._timeout(n, limit) from None
+            seen = self._table._withdraw(self.imm, waiter)
+            if seen is not None:
+                raise self._timeout(n, limit, seen) from None
             await fut  # it fired meanwhile: the counts are ours
         except asyncio.CancelledError:
             if not self._table._remove(self.imm, waiter) and waiter.error is None:

@@ -37,15 +37,15 @@ class Device(BaseModel):
         """Accept a ``Device``, ``"cpu"``, ``"cuda"``, ``"cuda:1"`` or a ``torch.device``."""
         if isinstance(value, Device):
             return value
-        text = str(value)
-        kind, _, index = text.partition(":")
-        if kind not in ("cpu", "cuda"):
-            from .errors import ConfigError
+        from .errors import ConfigError
 
-            raise ConfigError(f"unknown device {text!r}: use 'cpu' or 'cuda[:N]'")
-        if kind == "cpu":
+        text = str(value)
+        kind, sep, index = text.partition(":")
+        if text == "cpu":
             return cls()
-        return cls(kind="cuda", index=int(index or 0))
+        if kind == "cuda" and (not sep or (index.isdigit() and int(index) < 1 << 16)):
+            return cls(kind="cuda", index=int(index or 0))
+        raise ConfigError(f"unknown device {text!r}: use 'cpu', 'cuda' or 'cuda:N' (0 <= N < 65536)")
 
     def __str__(self) -> str:
         return "cpu" if self.kind == "cpu" else f"cuda:{self.index}"
@@ -194,25 +194,26 @@ class MemoryRegionDescriptor(BaseModel):
             )
         if len(data) < _HEADER.size + _CRC.size:
             raise ValueError(f"{name}: truncated: {len(data)} bytes, the header alone is {_HEADER.size}")
-        body, (crc,) = data[: -_CRC.size], _CRC.unpack(data[-_CRC.size :])
-        _, version, flags, dev_index, count, ptr, length = _HEADER.unpack_from(body)
+        _, version, flags, dev_index, count, ptr, length = _HEADER.unpack_from(data)
         pos = _HEADER.size
         keys = []
         for i in range(count):
-            if pos >= len(body):
+            if pos >= len(data):
                 raise ValueError(f"{name}: truncated in NIC entry {i} of {count}")
-            alen = body[pos]
+            alen = data[pos]
             end = pos + 1 + alen + _NIC_KEY.size
-            if end > len(body):
+            if end > len(data):
                 raise ValueError(f"{name}: truncated in NIC entry {i} of {count}")
-            addr = body[pos + 1 : pos + 1 + alen]
-            (rkey,) = _NIC_KEY.unpack_from(body, pos + 1 + alen)
-            keys.append((addr, rkey))
+            (rkey,) = _NIC_KEY.unpack_from(data, pos + 1 + alen)
+            keys.append((data[pos + 1 : pos + 1 + alen], rkey))
             pos = end
-        if zlib.crc32(body) != crc:
+        if len(data) < pos + _CRC.size:
+            raise ValueError(f"{name}: truncated: {len(data)} bytes, {pos + _CRC.size} expected")
+        if len(data) > pos + _CRC.size:
+            raise ValueError(f"{name}: {len(data) - pos - _CRC.size} unexpected trailing bytes")
+        (crc,) = _CRC.unpack_from(data, pos)
+        if zlib.crc32(data[:pos]) != crc:
             raise ValueError(f"{name}: corrupted: checksum mismatch")
-        if pos != len(body):
-            raise ValueError(f"{name}: {len(body) - pos} unexpected trailing bytes")
         if flags & ~_KNOWN_FLAGS:
             raise ValueError(f"{name}: unknown flags {flags:#x}")
         try:

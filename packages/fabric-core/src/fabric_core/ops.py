@@ -214,6 +214,8 @@ def _check_src(src: object) -> MemoryRegion:
 
 
 def _span(off: int, length: int, limit: int, what: str) -> None:
+    if off + length >= _LIMIT:
+        raise ConfigError(f"{what}: bytes [{off}, {off + length}) reach beyond 2**63")
     if off + length > limit:
         raise ConfigError(f"{what}: bytes [{off}, {off + length}) exceed the region's {limit} bytes")
 
@@ -270,6 +272,8 @@ def plan_request(request: Request, num_nics: int, max_msg_size: int, rotation: i
     Raises ``ConfigError`` (nothing posted) for any bad input. ``rotation`` picks the NIC
     the round robin starts at (it changes which NIC, never how many WRs).
     """
+    if isinstance(max_msg_size, bool) or not isinstance(max_msg_size, int) or max_msg_size < 1:
+        raise ConfigError(f"max_msg_size must be a positive int, got {max_msg_size!r}")
     if isinstance(request, WriteRequest):
         return _plan_write(request, num_nics, max_msg_size, rotation)
     if isinstance(request, PagedWriteRequest):
