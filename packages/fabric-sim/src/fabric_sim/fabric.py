@@ -40,7 +40,7 @@ _MAGIC = b"SIM"
 _fabric_ids = itertools.count(1)
 
 # event kinds
-_CHUNK, _WR_DONE, _IMM, _LOCAL, _MSG, _CALL = range(6)
+_CHUNK, _WR_DONE, _IMM, _LOCAL, _MSG = range(5)
 _SPREAD = 3.0
 
 
@@ -335,13 +335,15 @@ class SimFabric:
                     cv.notify_all()
                     return
                 self._busy = True
-                # Handle a bounded batch under the lock, then let submitters in.
+                # Handle a bounded batch under the lock, then let submitters in; stop early
+                # when a scheduled action is due, to run it before the next event.
                 for _ in range(256):
-                    if not self._heap or self._paused:
+                    if not self._heap or self._paused or self._process_one():
                         break
-                    self._process_one()
+            self._run_due()
 
-    def _process_one(self) -> None:
+    def _process_one(self) -> bool:
+        """Deliver the earliest event (lock held); True if a scheduled action is now due."""
         t, _, kind, payload = heapq.heappop(self._heap)
         if t > self.now:
             self.now = t
@@ -352,25 +354,38 @@ class SimFabric:
             self._handle(kind, payload)
         except Exception:  # a bug here must not kill the fabric
             logger.exception("fabric-sim: event handler failed")
-        while self._triggers and self._triggers[0][0] <= self.events:
-            action = heapq.heappop(self._triggers)[2]
+        return bool(self._triggers) and self._triggers[0][0] <= self.events
+
+    def _run_due(self) -> None:
+        """Run due actions without the fabric lock (they may close engines, submit, ...)."""
+        while True:
+            with self._cv:
+                if not self._triggers or self._triggers[0][0] > self.events:
+                    return
+                action = heapq.heappop(self._triggers)[2]
             try:
                 action()
             except Exception:
-                logger.exception("fabric-sim: scheduled fault action failed")
+                logger.exception("fabric-sim: scheduled action failed")
 
     def step(self, events: int = 1) -> int:
         """Deliver up to ``events`` pending events in the calling thread; returns how many.
 
         Use inside ``paused()`` to walk a run one event at a time (deterministic per seed).
         """
-        with self._cv:
-            done = 0
-            while done < events and self._heap:
-                self._process_one()
-                done += 1
-            self._cv.notify_all()
-            return done
+        done = 0
+        while done < events:
+            with self._cv:
+                due = False
+                while done < events and self._heap and not due:
+                    due = self._process_one()
+                    done += 1
+                self._cv.notify_all()
+                idle = not self._heap
+            self._run_due()
+            if idle:
+                break
+        return done
 
     def _handle(self, kind: int, payload: object) -> None:
         if kind == _CHUNK:
@@ -389,8 +404,6 @@ class SimFabric:
         elif kind == _MSG:
             xfer, peer, data = payload  # type: ignore[misc]
             self._deliver_message(xfer, peer, data)
-        elif kind == _CALL:
-            payload()  # type: ignore[operator]
 
     def _land(self, wr: _WR, off: int, n: int) -> None:
         wr.left -= 1

@@ -20,7 +20,6 @@ class SimHarness(Harness):
     """Engines on one private ``SimFabric`` seeded with ``seed``."""
 
     supports_faults = True
-    supports_hold = True
     max_nics = 8
 
     def __init__(self, seed: int = 0, **fabric_args: Any) -> None:

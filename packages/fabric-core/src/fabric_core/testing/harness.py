@@ -24,8 +24,6 @@ class Harness(ABC):
 
     supports_faults: bool = False
     """``kill_peer`` and ``kill_nic`` work."""
-    supports_hold: bool = False
-    """``hold()`` really holds delivery (so everything posted inside is reordered together)."""
     max_nics: int = 1
     """Largest NIC count ``open_engine`` can give."""
 

@@ -1,0 +1,119 @@
+"""Simulator-specific behaviour: scheduled faults, the virtual clock, the shared fabric."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fabric_core import ConfigError, PeerUnreachable, Pinned, Sharded, TransportError, load_settings
+from fabric_sim import SimBackend, SimFabric, default_fabric, link_preset
+from fabric_sim.testing import SimHarness
+
+MiB = 1 << 20
+
+
+def _pair(fabric: SimFabric, nics: int, size: int = MiB):  # type: ignore[no-untyped-def]
+    a, b = fabric.open_engine(nics), fabric.open_engine(nics)
+    src = np.random.default_rng(0).integers(1, 256, size, dtype=np.uint8)
+    dst = np.zeros(size, np.uint8)
+    return a, b, src, dst, a.register(src), b.register(dst)
+
+
+def test_peer_killed_after_exact_event_count_leaves_partial_bytes_and_no_imm() -> None:
+    fabric = SimFabric(5, chunk_bytes=4096)
+    a, b, src, dst, smr, dmr = _pair(fabric, 1, 64 * 4096)
+    with fabric.paused():
+        t = a.submit_write(smr, 0, 64 * 4096, dmr.descriptor, 0, imm=1, routing=Pinned(0))
+        fabric.after(20, lambda: fabric.fail_peer(b))
+    assert isinstance(t.exception(10), PeerUnreachable)
+    landed = int((dst != 0).sum())
+    assert 0 < landed < src.size  # 20 chunks of 4 KiB, no more
+    assert landed == 20 * 4096
+    assert b.counter(1).value == 0
+    a.close()
+
+
+def test_restored_nic_carries_traffic_again() -> None:
+    fabric = SimFabric(1)
+    a, b, _src, _dst, smr, dmr = _pair(fabric, 2)
+    fabric.fail_nic(b, 1)
+    t = a.submit_write(smr, 0, 4096, dmr.descriptor, 0, imm=2, routing=Pinned(1))
+    b.counter(2).wait(1, timeout=10)  # moved to NIC 0
+    fabric.restore_nic(b, 1)
+    t2 = a.submit_write(smr, 0, 4096, dmr.descriptor, 0, imm=2, routing=Pinned(1))
+    b.counter(2).wait(1, timeout=10)
+    t.wait(10)
+    t2.wait(10)
+    with pytest.raises(ConfigError):
+        fabric.fail_nic(b, 2)
+    a.close()
+    b.close()
+
+
+def test_all_nics_down_fails_with_transport_error() -> None:
+    fabric = SimFabric(1)
+    a, b, _, _, smr, dmr = _pair(fabric, 2)
+    fabric.fail_nic(a, 0)
+    fabric.fail_nic(b, 1)
+    t = a.submit_write(smr, 0, 4096, dmr.descriptor, 0, imm=2)
+    exc = t.exception(10)
+    assert isinstance(exc, TransportError) and "down" in str(exc)
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("nics", [1, 2, 4])
+def test_virtual_clock_follows_the_link_model(nics: int) -> None:
+    link = link_preset("cx7-400g")
+    fabric = SimFabric(0, link=link)
+    a, b, _, _, smr, dmr = _pair(fabric, nics, 8 * MiB)
+    assert a.capabilities.virtual_clock and a.domains[0].link_speed_gbps == 400
+    start = fabric.now
+    t = a.submit_write(smr, 0, 8 * MiB, dmr.descriptor, 0, imm=3, routing=Sharded())
+    b.counter(3).wait(t.imms_at_target, timeout=30)
+    t.wait(30)
+    fabric.quiesce()
+    elapsed = fabric.now - start
+    wire = 8 * MiB / nics / link.bytes_per_s
+    # serialisation on each NIC plus one-way latency and the ack, nothing else
+    assert wire + link.latency_s < elapsed < wire + 3 * link.latency_s + 1e-6
+    a.close()
+    b.close()
+
+
+def test_default_fabric_refuses_conflicting_settings_while_in_use() -> None:
+    e = SimBackend.open(load_settings(backend="sim", sim_seed=11))
+    try:
+        with pytest.raises(ConfigError, match="seed=11"):
+            default_fabric(load_settings(backend="sim", sim_seed=12))
+        assert default_fabric(load_settings(backend="sim", sim_seed=11)) is e.fabric  # type: ignore[attr-defined]
+    finally:
+        e.close()
+    assert default_fabric(load_settings(backend="sim", sim_seed=12)).seed == 12
+
+
+def test_sim_backend_topology_and_probe() -> None:
+    assert SimBackend.probe().available
+    (group,) = SimBackend.detect_topology(load_settings(backend="sim", nics=4, sim_link="efa-p5"))
+    assert len(group.domains) == 4 and group.domains[0].link_speed_gbps == 100
+
+
+def test_fabric_rejects_bad_arguments() -> None:
+    with pytest.raises(ConfigError):
+        SimFabric(chunk_bytes=0)
+    fabric = SimFabric()
+    with pytest.raises(ConfigError):
+        fabric.open_engine(nics=0)
+    with pytest.raises(ConfigError, match="simulator engines only"):
+        fabric.open_engine(1, backend="efa")
+    with pytest.raises(ConfigError, match="unknown link preset"):
+        link_preset("infiniband-9000")
+
+
+def test_harness_refuses_engines_of_another_fabric() -> None:
+    h, other = SimHarness(0), SimFabric(1)
+    e = other.open_engine(1)
+    with pytest.raises(ConfigError):
+        h.kill_nic(e, 0)
+    e.close()
+    h.close()
