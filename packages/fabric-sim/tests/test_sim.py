@@ -117,3 +117,22 @@ def test_harness_refuses_engines_of_another_fabric() -> None:
         h.kill_nic(e, 0)
     e.close()
     h.close()
+
+
+def test_messages_beyond_posted_receives_wait_for_a_buffer() -> None:
+    fabric = SimFabric(2)
+    a, b = fabric.open_engine(1), fabric.open_engine(1, recv_depth=2)
+    sends = [a.submit_send(b.address, bytes([i])) for i in range(5)]
+    assert fabric.quiesce()
+    assert sum(t.done() for t in sends) == 2  # three senders wait for a posted receive
+    got = [b.recv(timeout=10).data for _ in range(3)]
+    assert fabric.quiesce()
+    assert sum(t.done() for t in sends) == 5
+    got += [b.recv(timeout=10).data for _ in range(2)]
+    assert sorted(got) == [bytes([i]) for i in range(5)]
+    late = [a.submit_send(b.address, b"x") for _ in range(3)]
+    assert fabric.quiesce()
+    b.close()
+    outcomes = [type(t.exception(10)).__name__ for t in late]
+    assert sorted(outcomes) == ["NoneType", "NoneType", "PeerUnreachable"]  # the parked one fails
+    a.close()

@@ -47,7 +47,7 @@ from .ops import (
     WriteRequest,
     plan_request,
 )
-from .registry import installed_backends, load_backend, open_engine
+from .registry import detect_topology, installed_backends, load_backend, open_engine
 from .rendezvous import Rendezvous
 from .settings import FabricSettings, load_settings
 from .transfer import Transfer
@@ -99,6 +99,7 @@ __all__ = [
     "TransferTimeout",
     "TransportError",
     "WriteRequest",
+    "detect_topology",
     "installed_backends",
     "load_backend",
     "load_settings",

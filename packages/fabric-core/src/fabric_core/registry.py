@@ -8,6 +8,7 @@ from typing import Any
 
 from .api import API_VERSION, Backend, ProbeResult, TransferEngine
 from .errors import BackendNotInstalled, BackendUnavailable, BackendVersionMismatch, ConfigError
+from .models import TopologyGroup
 from .settings import FabricSettings, load_settings
 
 __all__ = [
@@ -95,6 +96,14 @@ def select_backend(settings: FabricSettings) -> type[Backend]:
         "no RDMA backend can run here (" + "; ".join(reasons) + "). "
         "For the in-process simulator pass backend='sim' or set FABRIC_BACKEND=sim.",
     )
+
+
+def detect_topology(backend: str | None = None, **config: Any) -> list[TopologyGroup]:
+    """The domain groups (GPU ↔ NICs ↔ CPUs) the selected backend sees on this machine."""
+    if backend is not None:
+        config["backend"] = backend
+    settings = load_settings(**config)
+    return select_backend(settings).detect_topology(settings)
 
 
 def open_engine(backend: str | None = None, **config: Any) -> TransferEngine:

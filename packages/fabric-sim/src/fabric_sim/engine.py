@@ -70,6 +70,7 @@ class SimEngine(TransferEngine):
         self._rkeys: dict[tuple[int, int], _Registration] = {}
         self._inflight: set[_Xfer] = set()
         self._messages: deque[Message] = deque()
+        self._parked: deque[tuple[Message, _Xfer]] = deque()
         self._msg_cv = threading.Condition()
         self._groups = itertools.count(1)
         self._made_groups: set[int] = set()
@@ -252,10 +253,16 @@ class SimEngine(TransferEngine):
         self._fabric.post_message(self, peer, payload, transfer)
         return transfer
 
-    def _deliver(self, peer: DomainAddress, data: bytes) -> None:
+    def _deliver(self, peer: DomainAddress, data: bytes, xfer: _Xfer) -> bool:
+        """Land a message in a posted receive buffer; with all ``recv_depth`` buffers full,
+        park it (the sender stays incomplete, as under receiver-not-ready back-off)."""
         with self._msg_cv:
+            if len(self._messages) >= self._settings.recv_depth:
+                self._parked.append((Message(peer, data), xfer))
+                return False
             self._messages.append(Message(peer, data))
             self._msg_cv.notify()
+            return True
 
     def recv(self, timeout: float | None = None) -> Message:
         self._check_open()
@@ -269,7 +276,13 @@ class SimEngine(TransferEngine):
                 if left <= 0:
                     raise TransferTimeout(f"no control message within {limit:g} s")
                 self._msg_cv.wait(left)
-            return self._messages.popleft()
+            msg = self._messages.popleft()
+            parked = self._parked.popleft() if self._parked else None
+            if parked is not None:
+                self._messages.append(parked[0])
+        if parked is not None:
+            self._fabric.message_taken(parked[1])
+        return msg
 
     # --- failure & lifecycle ------------------------------------------------------
     def _peer_lost(self, peer: bytes, exc: BaseException) -> None:
@@ -304,7 +317,11 @@ class SimEngine(TransferEngine):
         for reg in list(self._regs.values()):
             self._drop(reg)
         with self._msg_cv:
+            parked = [x for _, x in self._parked]
+            self._parked.clear()
             self._msg_cv.notify_all()
+        for x in parked:
+            self._fabric.message_taken(x, PeerUnreachable(f"peer {self.address} closed before receiving"))
         self._fabric.detach(self, exc)
         self._dispatch.close()
 

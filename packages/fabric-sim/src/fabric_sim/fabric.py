@@ -489,5 +489,12 @@ class SimFabric:
         except PeerUnreachable as exc:
             err = exc
         else:
-            target._deliver(xfer.engine.address, data)
+            if not target._deliver(xfer.engine.address, data, xfer):
+                return  # no posted receive: parked until the target consumes one (RNR)
         self._push(self.now + self._jitter(), _LOCAL, (xfer, err, 0))
+
+    def message_taken(self, xfer: _Xfer, err: BaseException | None = None) -> None:
+        """A parked message got a receive buffer (or its target died): its sender completes."""
+        with self._cv:
+            self._push(self.now + self._jitter(), _LOCAL, (xfer, err, 0))
+            self._cv.notify_all()
