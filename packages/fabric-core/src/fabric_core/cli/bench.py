@@ -19,7 +19,7 @@ import platform
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +113,11 @@ class BenchFailure(FabricError):
     """The backend moved wrong bytes or wrong counts: the numbers would be meaningless."""
 
 
+def _present(result: Any) -> dict[str, Any]:
+    """A result's fields, leaving out the simulated figures a backend did not report."""
+    return {k: v for k, v in asdict(result).items() if v is not None}
+
+
 @dataclass(slots=True)
 class SizeResult:
     size: int
@@ -131,23 +136,9 @@ class SizeResult:
     sim_ops_per_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        out = {
-            "size": self.size,
-            "iters": self.iters,
-            "ops": self.ops,
-            "window": self.window,
-            "work_requests_per_write": self.work_requests,
-            "latency_us_p50": self.latency_us_p50,
-            "latency_us_p99": self.latency_us_p99,
-            "bandwidth_gbps": self.bandwidth_gbps,
-            "bandwidth_gbytes_per_s": self.bandwidth_gbytes_per_s,
-            "ops_per_s": self.ops_per_s,
-            "sim_latency_us_p50": self.sim_latency_us_p50,
-            "sim_latency_us_p99": self.sim_latency_us_p99,
-            "sim_bandwidth_gbps": self.sim_bandwidth_gbps,
-            "sim_ops_per_s": self.sim_ops_per_s,
-        }
-        return {k: v for k, v in out.items() if v is not None}
+        out = _present(self)
+        out["work_requests_per_write"] = out.pop("work_requests")
+        return out
 
 
 @dataclass(slots=True)
@@ -165,21 +156,7 @@ class PagedResult:
     sim_pages_per_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        out = {
-            "pages": self.pages,
-            "page_bytes": self.page_bytes,
-            "imms_per_write": self.pages,
-            "iters": self.iters,
-            "ops": self.ops,
-            "latency_us_p50": self.latency_us_p50,
-            "latency_us_p99": self.latency_us_p99,
-            "pages_per_s": self.pages_per_s,
-            "bandwidth_gbps": self.bandwidth_gbps,
-            "submit_cost_us": self.submit_cost_us,
-            "sim_latency_us_p50": self.sim_latency_us_p50,
-            "sim_pages_per_s": self.sim_pages_per_s,
-        }
-        return {k: v for k, v in out.items() if v is not None}
+        return {"imms_per_write": self.pages, **_present(self)}
 
 
 @dataclass(slots=True)
