@@ -510,3 +510,23 @@ def test_n_below_one_rejected(n: object) -> None:
     with pytest.raises(ConfigError, match="count to wait for must be a positive int"):
         asyncio.run(c.wait_async(n, timeout=0))  # type: ignore[arg-type]
     assert c.value == 5 and queued(table) == 0
+
+
+def test_waits_naming_a_lost_peer_fail_at_once_until_revived() -> None:
+    table = CounterTable()
+    peer = DomainAddress(raw=b"\x07" * 4)
+    lost = PeerUnreachable("peer gone")
+    table.fail_peer(peer.raw, lost)
+    counter = table.counter(5, default_timeout=10.0)
+    started = time.monotonic()
+    with pytest.raises(PeerUnreachable) as info:
+        counter.wait(1, peer=peer)
+    assert info.value is lost and time.monotonic() - started < 1.0
+    with pytest.raises(PeerUnreachable):
+        counter.expect(1, lambda: None, peer=peer)
+    table.add(5)
+    counter.wait(1, timeout=1.0)  # waits naming no peer are unaffected
+    table.revive_peer(peer.raw)
+    table.add(5)
+    counter.wait(1, timeout=1.0, peer=peer)
+    assert counter.value == 0

@@ -75,6 +75,7 @@ class CounterTable:
         self._lock = threading.Lock()
         self._slots: dict[int, _Slot] = {}
         self._dispatch = dispatcher
+        self._lost: dict[bytes, BaseException] = {}
         self.imms_received = 0
 
     def add(self, imm: int, n: int = 1) -> None:
@@ -104,8 +105,13 @@ class CounterTable:
             return {imm: s.count for imm, s in self._slots.items() if s.count}
 
     def _arm(self, imm: int, waiter: _Waiter) -> bool:
-        """Queue a waiter; returns True if it was satisfied at once (counts consumed)."""
+        """Queue a waiter; returns True if it was satisfied at once (counts consumed).
+
+        Raises the peer's error at once if the waiter names a peer already known lost.
+        """
         with self._lock:
+            if waiter.peer is not None and waiter.peer in self._lost:
+                raise self._lost[waiter.peer]
             slot = self._slots.get(imm)
             if slot is None:
                 slot = self._slots[imm] = _Slot()
@@ -147,9 +153,11 @@ class CounterTable:
             self.imms_received -= n
 
     def fail_peer(self, peer: bytes, exc: BaseException) -> None:
-        """Fail every waiter that named ``peer`` as the one it depends on."""
+        """Fail every waiter that named ``peer`` as the one it depends on, and every later
+        one that names it (until ``revive_peer``)."""
         failed: list[_Waiter] = []
         with self._lock:
+            self._lost[peer] = exc
             for slot in self._slots.values():
                 keep: deque[_Waiter] = deque()
                 for w in slot.waiters:
@@ -162,6 +170,11 @@ class CounterTable:
                 slot.waiters = keep
         for w in failed:
             w.fire(exc)
+
+    def revive_peer(self, peer: bytes) -> None:
+        """``peer`` is reachable again (a restarted process at the same address)."""
+        with self._lock:
+            self._lost.pop(peer, None)
 
     def fail_all(self, exc: BaseException) -> None:
         failed: list[_Waiter] = []
@@ -195,7 +208,8 @@ class ImmCounter(ABC):
 
         ``timeout=None`` uses the engine default, ``math.inf`` waits forever. At the deadline
         nothing is consumed and ``TransferTimeout`` reports expected vs received. If ``peer``
-        is given and that peer is found dead, raises ``PeerUnreachable`` at once.
+        is given, the wait fails with ``PeerUnreachable`` as soon as that peer is found dead
+        (at once if it already is).
         """
 
     @abstractmethod
@@ -214,7 +228,8 @@ class ImmCounter(ABC):
         peer: DomainAddress | None = None,
     ) -> Expectation:
         """Call ``callback()`` (on the engine's callback thread) once ``n`` counts are
-        available, consuming them. One-shot; call again to re-arm."""
+        available, consuming them. One-shot; call again to re-arm. With ``peer``, ``on_error``
+        gets ``PeerUnreachable`` when that peer dies; a peer already dead raises it here."""
 
 
 def _check_n(n: object) -> int:

@@ -797,6 +797,10 @@ class FaultConformance(_Base):
         assert not th.is_alive() and isinstance(waiter_error[0], PeerUnreachable)
         late = a.submit_write(mr, 0, 8, vdesc, 0, imm=5)
         assert isinstance(late.exception(T), PeerUnreachable)
+        started = time.monotonic()
+        with pytest.raises(PeerUnreachable):  # a wait naming a peer known dead fails at once
+            a.counter(91).wait(1, timeout=T, peer=victim.address)
+        assert time.monotonic() - started < T / 2
 
     def test_sender_death_times_out_target_wait_with_counts(self, h: Harness) -> None:
         _faults(h)
