@@ -82,7 +82,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy --strict on fabric_core."""
+    """mypy --strict on fabric_core and fabric_sim."""
     _install(session, "lint")
     _typecheck(session)
 

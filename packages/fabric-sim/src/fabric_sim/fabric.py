@@ -19,7 +19,7 @@ import struct
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fabric_core.errors import ConfigError, EngineClosed, PeerUnreachable, RemoteAccessError, TransportError
 from fabric_core.models import DomainAddress
@@ -76,17 +76,17 @@ class _WR:
         self.error: BaseException | None = None
 
 
-def _trace_key(kind: int, payload: object) -> tuple[int, ...]:
+def _trace_key(kind: int, payload: Any) -> tuple[int, ...]:
     """A run-independent name for an event: (transfer id, offset) or (engine, imm)."""
     if kind == _CHUNK:
-        wr, off, _n = payload  # type: ignore[misc]
+        wr, off, _n = payload
         return (wr.xfer.transfer.id, wr.nic, wr.length, off)
     if kind == _WR_DONE:
-        return (payload.xfer.transfer.id, payload.nic, payload.length)  # type: ignore[attr-defined]
+        return (payload.xfer.transfer.id, payload.nic, payload.length)
     if kind == _IMM:
-        return (payload[0], payload[1])  # type: ignore[index]
+        return (payload[0], payload[1])
     if kind in (_LOCAL, _MSG):
-        return (payload[0].transfer.id,)  # type: ignore[index]
+        return (payload[0].transfer.id,)
     return ()
 
 
@@ -387,22 +387,22 @@ class SimFabric:
                 break
         return done
 
-    def _handle(self, kind: int, payload: object) -> None:
+    def _handle(self, kind: int, payload: Any) -> None:
         if kind == _CHUNK:
-            wr, off, n = payload  # type: ignore[misc]
+            wr, off, n = payload
             self._land(wr, off, n)
         elif kind == _WR_DONE:
-            self._wr_done(payload)  # type: ignore[arg-type]
+            self._wr_done(payload)
         elif kind == _IMM:
-            dst, imm, _src = payload  # type: ignore[misc]
+            dst, imm, _src = payload
             engine = self._engines.get(dst)
             if engine is not None:
                 engine._counters.add(imm)
         elif kind == _LOCAL:
-            xfer, err, nbytes = payload  # type: ignore[misc]
+            xfer, err, nbytes = payload
             self._local_done(xfer, err, nbytes)
         elif kind == _MSG:
-            xfer, peer, data = payload  # type: ignore[misc]
+            xfer, peer, data = payload
             self._deliver_message(xfer, peer, data)
 
     def _land(self, wr: _WR, off: int, n: int) -> None:
