@@ -33,8 +33,8 @@ def _install(session: nox.Session, *groups: str, editable: bool = True) -> None:
 
 
 def _lint(session: nox.Session) -> None:
-    session.run("ruff", "check", "packages", "tests", "benchmarks", "noxfile.py", "conftest.py")
-    session.run("ruff", "format", "--check", "packages", "tests", "benchmarks", "noxfile.py", "conftest.py")
+    session.run("ruff", "check", "packages", "tests", "benchmarks", "noxfile.py")
+    session.run("ruff", "format", "--check", "packages", "tests", "benchmarks", "noxfile.py")
 
 
 def _typecheck(session: nox.Session) -> None:

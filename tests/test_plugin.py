@@ -11,7 +11,7 @@ pytest_plugins = ["pytester"]
 
 def test_plugin_is_registered_for_every_installation() -> None:
     (ep,) = [e for e in entry_points(group="pytest11") if e.name == "fabric_conformance"]
-    assert ep.value == "fabric_core.testing.plugin"
+    assert ep.value == "_fabric_core_pytestplugin"
 
 
 def test_backend_suite_in_three_lines_runs_over_seeds(pytester: pytest.Pytester) -> None:

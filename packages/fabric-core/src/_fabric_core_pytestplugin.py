@@ -1,4 +1,9 @@
-"""pytest plugin of the conformance suite: ``--fabric-seeds`` and the ``fabric_seed`` fixture."""
+"""pytest plugin of fabric's conformance suite: ``--fabric-seeds`` and the ``fabric_seed`` fixture.
+
+It is a top-level module on purpose (as hypothesis does with ``_hypothesis_pytestplugin``):
+pytest loads entry-point plugins before pytest-cov starts measuring, and a plugin inside
+``fabric_core`` would import the package too early for its coverage to be seen.
+"""
 
 from __future__ import annotations
 
