@@ -8,6 +8,8 @@ this tree by path (they are not on PyPI, and a squatter could publish the names)
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import nox
@@ -30,6 +32,21 @@ def _install(session: nox.Session, *groups: str, editable: bool = True) -> None:
         local += ["-e", pkg] if editable else [pkg]
     deps = [d for g in groups for d in nox.project.dependency_groups(PYPROJECT, g)]
     session.install(*CONSTRAINTS, *local, *deps)
+
+
+def _system_packages(session: nox.Session, *packages: str) -> None:
+    """Debian packages a session needs: installed when missing and we are root, else named."""
+    missing = [
+        p for p in packages if subprocess.run(["dpkg", "-s", p], capture_output=True, check=False).returncode
+    ]
+    if not missing:
+        return
+    if os.geteuid() == 0 and shutil.which("apt-get"):
+        env = {"DEBIAN_FRONTEND": "noninteractive"}
+        session.run("apt-get", "update", "-qq", external=True, env=env)
+        session.run("apt-get", "install", "-y", "-qq", *missing, external=True, env=env)
+    else:
+        session.error(f"this session needs system packages: sudo apt-get install {' '.join(missing)}")
 
 
 def _lint(session: nox.Session) -> None:
@@ -119,6 +136,28 @@ def bench(session: nox.Session) -> None:
     session.run(
         "python", "benchmarks/plot_sweep.py", str(out / "sim-baseline.json"), str(out / "sim-baseline.png")
     )
+
+
+@nox.session(venv_backend="none")
+def ceiling(session: nox.Session) -> None:
+    """The raw-libfabric ceiling (benchmarks/ceiling/fi_ceiling.c) on shm and tcp;ofi_rxm."""
+    _system_packages(session, "libfabric-dev", "gcc")
+    build = Path(session.create_tmp()) / "fi_ceiling"
+    session.run(
+        "cc", "-O2", "-Wall", "-o", str(build), "benchmarks/ceiling/fi_ceiling.c", "-lfabric", external=True
+    )
+    out = ROOT / "benchmarks" / "results"
+    for provider, tag in (("shm", "shm"), ("tcp;ofi_rxm", "tcp")):
+        with open(out / f"ceiling-{tag}.jsonl", "w") as sink:
+            session.run(
+                str(build),
+                "-p",
+                provider,
+                *session.posargs,
+                external=True,
+                stdout=sink,
+                env={"FI_TCP_IFACE": "lo"},
+            )
 
 
 @nox.session

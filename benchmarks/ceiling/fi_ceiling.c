@@ -1,0 +1,294 @@
+/*
+ * fi_ceiling: the raw-libfabric ceiling fabric's engine is measured against.
+ *
+ * Two processes (this one forks the target) on one RDM provider: the initiator keeps a window
+ * of fi_writedata() calls (RMA write carrying 64-bit remote CQ data, i.e. WriteImm) in flight
+ * and polls its CQ in batches; the target polls its CQ and counts the remote CQ data
+ * completions. No engine, no threads, no Python: whatever the engine loses against this is
+ * overhead. Also measures the imm round trip: write+data -> target sees it -> write+data back.
+ *
+ * Build: cc -O2 -o fi_ceiling fi_ceiling.c -lfabric
+ * Run:   FI_TCP_IFACE=lo ./fi_ceiling -p 'tcp;ofi_rxm' [-s 4096,65536,1048576] [-w 64] [-r 5]
+ * Output: one JSON object per line on stdout.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
+
+#define CHECK(call)                                                                      \
+    do {                                                                                 \
+        int rc_ = (int)(call);                                                           \
+        if (rc_) {                                                                       \
+            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, fi_strerror(-rc_)); \
+            exit(2);                                                                     \
+        }                                                                                \
+    } while (0)
+
+struct peer_info {
+    char addr[256];
+    size_t addrlen;
+    uint64_t key;
+    uint64_t base;
+};
+
+struct node {
+    struct fi_info *info;
+    struct fid_fabric *fabric;
+    struct fid_domain *domain;
+    struct fid_av *av;
+    struct fid_cq *cq;
+    struct fid_ep *ep;
+    struct fid_mr *mr;
+    void *desc;
+    char *buf;
+    size_t buflen;
+    fi_addr_t peer;
+    struct peer_info remote;
+};
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void xfer(int fd, void *p, size_t n, int send_it) {
+    char *c = p;
+    while (n) {
+        ssize_t r = send_it ? write(fd, c, n) : read(fd, c, n);
+        if (r <= 0) {
+            if (r < 0 && errno == EINTR) continue;
+            fprintf(stderr, "control socket closed\n");
+            exit(3);
+        }
+        c += r;
+        n -= (size_t)r;
+    }
+}
+
+static void node_open(struct node *n, const char *prov, size_t buflen) {
+    struct fi_info *hints = fi_allocinfo();
+    hints->ep_attr->type = FI_EP_RDM;
+    hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_MSG;
+    hints->mode = FI_CONTEXT;
+    hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
+    hints->domain_attr->threading = FI_THREAD_DOMAIN;
+    hints->fabric_attr->prov_name = strdup(prov);
+    CHECK(fi_getinfo(FI_VERSION(1, 17), NULL, NULL, 0, hints, &n->info));
+    fi_freeinfo(hints);
+    CHECK(fi_fabric(n->info->fabric_attr, &n->fabric, NULL));
+    CHECK(fi_domain(n->fabric, n->info, &n->domain, NULL));
+    struct fi_av_attr av_attr = {.type = FI_AV_TABLE};
+    CHECK(fi_av_open(n->domain, &av_attr, &n->av, NULL));
+    struct fi_cq_attr cq_attr = {.format = FI_CQ_FORMAT_DATA, .size = 4096};
+    CHECK(fi_cq_open(n->domain, &cq_attr, &n->cq, NULL));
+    CHECK(fi_endpoint(n->domain, n->info, &n->ep, NULL));
+    CHECK(fi_ep_bind(n->ep, &n->av->fid, 0));
+    CHECK(fi_ep_bind(n->ep, &n->cq->fid, FI_TRANSMIT | FI_RECV));
+    CHECK(fi_enable(n->ep));
+    n->buflen = buflen;
+    if (posix_memalign((void **)&n->buf, 4096, buflen)) exit(4);
+    memset(n->buf, 1, buflen);
+    CHECK(fi_mr_reg(n->domain, n->buf, buflen, FI_WRITE | FI_REMOTE_WRITE, 0, 1, 0, &n->mr, NULL));
+    n->desc = fi_mr_desc(n->mr);
+}
+
+static struct peer_info node_info(struct node *n) {
+    struct peer_info me = {0};
+    me.addrlen = sizeof(me.addr);
+    CHECK(fi_getname(&n->ep->fid, me.addr, &me.addrlen));
+    me.key = fi_mr_key(n->mr);
+    me.base = (n->info->domain_attr->mr_mode & FI_MR_VIRT_ADDR) ? (uint64_t)(uintptr_t)n->buf : 0;
+    return me;
+}
+
+static void node_connect(struct node *n, int fd) {
+    struct peer_info me = node_info(n);
+    xfer(fd, &me, sizeof(me), 1);
+    xfer(fd, &n->remote, sizeof(n->remote), 0);
+    if (fi_av_insert(n->av, n->remote.addr, 1, &n->peer, 0, NULL) != 1) {
+        fprintf(stderr, "fi_av_insert failed\n");
+        exit(2);
+    }
+}
+
+/* Poll until at least one completion; returns (tx done, remote data seen) counts. */
+static void poll_cq(struct node *n, long *tx, long *rx) {
+    struct fi_cq_data_entry e[64];
+    ssize_t got = fi_cq_read(n->cq, e, 64);
+    if (got == -FI_EAGAIN) return;
+    if (got < 0) {
+        struct fi_cq_err_entry err = {0};
+        fi_cq_readerr(n->cq, &err, 0);
+        fprintf(stderr, "cq error: %s\n", fi_strerror(err.err));
+        exit(2);
+    }
+    for (ssize_t i = 0; i < got; i++) {
+        if (e[i].flags & FI_REMOTE_CQ_DATA)
+            (*rx)++;
+        else
+            (*tx)++;
+    }
+}
+
+static void write_imm(struct node *n, size_t size, uint64_t data, long *tx, long *rx) {
+    for (;;) {
+        ssize_t rc = fi_writedata(n->ep, n->buf, size, n->desc, data, n->peer, n->remote.base, n->remote.key, NULL);
+        if (rc == 0) return;
+        if (rc != -FI_EAGAIN) CHECK(rc);
+        poll_cq(n, tx, rx);
+    }
+}
+
+enum { CMD_BW = 1, CMD_PING = 2, CMD_QUIT = 3 };
+struct cmd {
+    int op;
+    long count;
+    size_t size;
+};
+
+static void target(struct node *n, int fd) {
+    for (;;) {
+        struct cmd c;
+        xfer(fd, &c, sizeof(c), 0);
+        if (c.op == CMD_QUIT) return;
+        long tx = 0, rx = 0, sent = 0;
+        if (c.op == CMD_BW) {
+            while (rx < c.count) poll_cq(n, &tx, &rx);
+        } else {
+            while (sent < c.count) { /* echo every imm with one of our own */
+                long before = rx;
+                while (rx == before) poll_cq(n, &tx, &rx);
+                write_imm(n, c.size, (uint64_t)sent, &tx, &rx);
+                sent++;
+            }
+            while (tx < sent) poll_cq(n, &tx, &rx);
+        }
+        xfer(fd, &rx, sizeof(rx), 1);
+    }
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int k) {
+    qsort(v, (size_t)k, sizeof(double), cmp_double);
+    return k % 2 ? v[k / 2] : 0.5 * (v[k / 2 - 1] + v[k / 2]);
+}
+
+int main(int argc, char **argv) {
+    const char *prov = "shm", *sizes = "8,64,512,4096,32768,65536,262144,1048576,4194304,16777216";
+    int window = 64, reps = 5, ping_iters = 20000;
+    int opt;
+    while ((opt = getopt(argc, argv, "p:s:w:r:l:")) != -1) {
+        switch (opt) {
+        case 'p': prov = optarg; break;
+        case 's': sizes = optarg; break;
+        case 'w': window = atoi(optarg); break;
+        case 'r': reps = atoi(optarg); break;
+        case 'l': ping_iters = atoi(optarg); break;
+        default:
+            fprintf(stderr, "usage: %s [-p provider] [-s sizes] [-w window] [-r reps] [-l pingpong iters]\n", argv[0]);
+            return 1;
+        }
+    }
+    size_t maxsize = 0;
+    for (const char *p = sizes; *p;) {
+        size_t s = strtoull(p, (char **)&p, 10);
+        if (s > maxsize) maxsize = s;
+        if (*p == ',') p++;
+    }
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv)) return 5;
+    pid_t child = fork();
+    struct node n = {0};
+    if (child == 0) {
+        close(sv[0]);
+        node_open(&n, prov, maxsize);
+        node_connect(&n, sv[1]);
+        target(&n, sv[1]);
+        return 0;
+    }
+    close(sv[1]);
+    int fd = sv[0];
+    node_open(&n, prov, maxsize);
+    node_connect(&n, fd);
+
+    for (const char *p = sizes; *p;) {
+        size_t size = strtoull(p, (char **)&p, 10);
+        if (*p == ',') p++;
+        long count = (long)((1UL << 30) / (size ? size : 1));
+        if (count < 2000) count = 2000;
+        if (count > 200000) count = 200000;
+        double secs[64];
+        for (int r = 0; r < reps && r < 64; r++) {
+            struct cmd c = {CMD_BW, count, size};
+            xfer(fd, &c, sizeof(c), 1);
+            long tx = 0, rx = 0, posted = 0, seen = 0;
+            double t0 = now_s();
+            while (posted < count) {
+                while (posted - tx < window && posted < count) {
+                    write_imm(&n, size, (uint64_t)posted, &tx, &rx);
+                    posted++;
+                }
+                poll_cq(&n, &tx, &rx);
+            }
+            while (tx < count) poll_cq(&n, &tx, &rx);
+            xfer(fd, &seen, sizeof(seen), 0); /* the target has counted every imm */
+            secs[r] = now_s() - t0;
+            if (seen != count) {
+                fprintf(stderr, "target counted %ld of %ld\n", seen, count);
+                return 6;
+            }
+        }
+        double t = median(secs, reps < 64 ? reps : 64);
+        printf("{\"kind\": \"bandwidth\", \"provider\": \"%s\", \"size\": %zu, \"window\": %d, \"writes\": %ld, "
+               "\"reps\": %d, \"seconds_median\": %.6f, \"gbytes_per_s\": %.4f, \"mwrites_per_s\": %.4f}\n",
+               prov, size, window, count, reps, t, (double)size * (double)count / t / 1e9, (double)count / t / 1e6);
+        fflush(stdout);
+    }
+
+    /* imm round trip: 8-byte write with data, the target answers with one of its own */
+    {
+        struct cmd c = {CMD_PING, ping_iters, 8};
+        xfer(fd, &c, sizeof(c), 1);
+        double *rtt = malloc(sizeof(double) * (size_t)ping_iters);
+        long tx = 0, rx = 0, seen = 0;
+        for (long i = 0; i < ping_iters; i++) {
+            double t0 = now_s();
+            long before = rx;
+            write_imm(&n, 8, (uint64_t)i, &tx, &rx);
+            while (rx == before) poll_cq(&n, &tx, &rx);
+            rtt[i] = now_s() - t0;
+        }
+        while (tx < ping_iters) poll_cq(&n, &tx, &rx);
+        xfer(fd, &seen, sizeof(seen), 0);
+        double med = median(rtt, ping_iters);
+        double p99 = rtt[(long)(0.99 * (ping_iters - 1))];
+        printf("{\"kind\": \"imm_round_trip\", \"provider\": \"%s\", \"iters\": %d, \"rtt_us_p50\": %.3f, "
+               "\"rtt_us_p99\": %.3f}\n",
+               prov, ping_iters, med * 1e6, p99 * 1e6);
+        free(rtt);
+    }
+    struct cmd quit = {CMD_QUIT, 0, 0};
+    xfer(fd, &quit, sizeof(quit), 1);
+    int status = 0;
+    waitpid(child, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 7;
+}
