@@ -54,6 +54,14 @@ from .transfer import Transfer
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
+
+def get_include() -> str:
+    """Directory of the header-only C++ engine core (``#include <fabric/engine.hpp>``)."""
+    import os
+
+    return os.path.join(os.path.dirname(__file__), "include")
+
+
 __all__ = [
     "API_VERSION",
     "Backend",
@@ -100,6 +108,7 @@ __all__ = [
     "TransportError",
     "WriteRequest",
     "detect_topology",
+    "get_include",
     "installed_backends",
     "load_backend",
     "load_settings",

@@ -50,6 +50,14 @@ class FabricSettings(BaseSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "WARNING", description="Level of the 'fabric_core' loggers when set up by the CLI."
     )
+    efa_provider: str = Field(
+        "efa",
+        description="libfabric provider of the efa backend: 'efa' on AWS; 'shm' (one host) or "
+        "'tcp;ofi_rxm' (set FI_TCP_IFACE) anywhere else. Same code path.",
+    )
+    worker_cpu: int | None = Field(
+        None, description="Pin the engine's worker thread to this CPU (compiled backends)."
+    )
     sim_seed: int = Field(0, description="Simulator: seed of every reordering decision.")
     sim_chunk_bytes: Annotated[int, Field(ge=1)] = Field(
         65536,

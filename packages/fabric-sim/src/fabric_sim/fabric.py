@@ -29,7 +29,7 @@ from fabric_core.transfer import Transfer
 from .link import LinkModel
 
 if TYPE_CHECKING:
-    from .engine import SimEngine, _Registration
+    from .engine import SimEngine, _SimKeys
 
 __all__ = ["SimFabric"]
 
@@ -429,7 +429,7 @@ class SimFabric:
             return PeerUnreachable(f"peer {peer} is gone", peer=peer, nic=wr.nic)
         if (wr.dst, wr.nic) in self._dead_nics:
             return TransportError(f"NIC {wr.nic} of peer {peer} went down", peer=peer, nic=wr.nic)
-        reg: _Registration | None = dst._rkeys.get((wr.nic, wr.rkey))
+        reg: _SimKeys | None = dst._rkeys.get((wr.nic, wr.rkey))
         if reg is None:
             return RemoteAccessError(
                 f"peer {peer} has no live registration for this key (deregistered or forged)",

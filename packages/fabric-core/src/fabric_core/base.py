@@ -1,0 +1,293 @@
+"""``EngineBase``: the Python bookkeeping every backend shares.
+
+Registrations, validation before posting, the counter table, the callback dispatcher, control
+message queueing, statistics and the close sequence are the same whatever moves the bytes. A
+backend subclasses ``EngineBase`` and supplies the hooks that touch its transport.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from abc import abstractmethod
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .api import EngineStats, TransferEngine
+from .counters import CounterTable, ImmCounter
+from .errors import CapabilityError, ConfigError, EngineClosed, PeerUnreachable, TransferTimeout
+from .memory import MemorySpan, memory_span
+from .models import Capabilities, DomainAddress, DomainInfo, MemoryRegion, MemoryRegionDescriptor, NicKey
+from .ops import Message, PeerGroup, Plan, Request, plan_request
+from .settings import FabricSettings
+from .transfer import CallbackDispatcher, Transfer
+
+__all__ = ["EngineBase", "Registration"]
+
+_handles = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Registration:
+    """A live registration: the region handed to the user and the backend's own token."""
+
+    handle: int
+    ptr: int
+    length: int
+    region: MemoryRegion
+    token: object
+
+
+class EngineBase(TransferEngine):
+    """Shared engine logic; subclasses implement the ``_backend_*`` hooks."""
+
+    def __init__(
+        self,
+        settings: FabricSettings,
+        capabilities: Capabilities,
+        addresses: Sequence[DomainAddress],
+        domains: Sequence[DomainInfo],
+        thread_name: str,
+    ) -> None:
+        self._settings = settings
+        self._caps = capabilities
+        self._nics = capabilities.num_nics
+        self._max_msg = capabilities.max_msg_size
+        self._timeout = settings.timeout_s
+        self._addresses = tuple(addresses)
+        self._domains = tuple(domains)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._regs: dict[int, Registration] = {}
+        self._messages: deque[Message] = deque()
+        self._msg_cv = threading.Condition()
+        self._groups = itertools.count(1)
+        self._made_groups: set[int] = set()
+        self._rotation = 0
+        self._stat_submitted = self._stat_completed = self._stat_failed = 0
+        self._stat_wrs = self._stat_bytes = 0
+        self._dispatch = CallbackDispatcher(thread_name)
+        self._counters = CounterTable(self._dispatch)
+
+    # --- hooks ---------------------------------------------------------------------
+    @abstractmethod
+    def _backend_register(
+        self, span: MemorySpan, writable: bool, handle: int
+    ) -> tuple[tuple[int, ...], object]:
+        """Register on every NIC; return one remote key per NIC and a token for deregistration."""
+
+    @abstractmethod
+    def _backend_deregister(self, token: object) -> None: ...
+
+    @abstractmethod
+    def _backend_post(self, plan: Plan, transfer: Transfer, source: Registration | None) -> None:
+        """Post the plan's work requests; complete ``transfer`` (``_resolve``) when all are done."""
+
+    @abstractmethod
+    def _backend_send(self, peer: DomainAddress, payload: bytes, transfer: Transfer) -> None: ...
+
+    @abstractmethod
+    def _backend_check_peer(self, peer: DomainAddress) -> None:
+        """Resolve a peer for a peer group; raise ``PeerUnreachable`` if it cannot be reached."""
+
+    @abstractmethod
+    def _backend_stop(self, exc: BaseException, drain: bool, timeout: float) -> None:
+        """Drain (if asked, up to ``timeout`` s) and fail in-flight work with ``exc``."""
+
+    def _backend_release(self, exc: BaseException) -> None:
+        """Last step of closing, after memory is deregistered (detach, join threads)."""
+
+    def _message_taken(self) -> None:
+        """A control message left the queue (backends that model receive buffers react)."""
+
+    # --- identity ------------------------------------------------------------------
+    @property
+    def address(self) -> DomainAddress:
+        return self._addresses[0]
+
+    @property
+    def addresses(self) -> tuple[DomainAddress, ...]:
+        """Every NIC's address, in NIC order."""
+        return self._addresses
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._caps
+
+    @property
+    def domains(self) -> tuple[DomainInfo, ...]:
+        return self._domains
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            submitted=self._stat_submitted,
+            completed=self._stat_completed,
+            failed=self._stat_failed,
+            work_requests=self._stat_wrs,
+            bytes_written=self._stat_bytes,
+            imms_received=self._counters.imms_received,
+            callback_errors=self._dispatch.errors,
+            registrations=len(self._regs),
+        )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosed("this engine is closed")
+
+    # --- memory --------------------------------------------------------------------
+    def register(self, memory: object, *, writable: bool | None = None) -> MemoryRegion:
+        self._check_open()
+        span = memory_span(memory)
+        if span.device.kind == "cuda" and not self._caps.cuda_memory:
+            raise CapabilityError(
+                f"the {self._caps.backend} backend carries host memory only here; "
+                f"{span.device} memory cannot be registered"
+            )
+        if writable and not span.writable:
+            raise ConfigError("a read-only buffer cannot be registered for remote writes")
+        can_write = span.writable if writable is None else writable
+        handle = next(_handles)
+        rkeys, token = self._backend_register(span, can_write, handle)
+        desc = MemoryRegionDescriptor(
+            ptr=span.ptr,
+            length=span.length,
+            device=span.device,
+            writable=can_write,
+            nics=tuple(NicKey(address=a, rkey=k) for a, k in zip(self._addresses, rkeys, strict=True)),
+        )
+        region = MemoryRegion(
+            handle=handle,
+            ptr=span.ptr,
+            length=span.length,
+            device=span.device,
+            writable=can_write,
+            descriptor=desc,
+        )
+        region._keepalive = span.keepalive
+        region._engine_id = id(self)
+        self._regs[handle] = Registration(handle, span.ptr, span.length, region, token)
+        return region
+
+    def deregister(self, region: MemoryRegion) -> None:
+        self._check_open()
+        self._drop(self._source(region))
+
+    def _drop(self, reg: Registration) -> None:
+        if self._regs.pop(reg.handle, None) is not None:
+            self._backend_deregister(reg.token)
+
+    def _source(self, region: object) -> Registration:
+        if not isinstance(region, MemoryRegion):
+            raise ConfigError(f"expected a MemoryRegion, got {type(region).__name__}")
+        reg = self._regs.get(region.handle)
+        if region._engine_id != id(self) or reg is None or reg.region is not region:
+            raise ConfigError(
+                "the MemoryRegion is not registered with this engine (deregistered, or another engine's)"
+            )
+        return reg
+
+    # --- one-sided -----------------------------------------------------------------
+    def submit(self, request: Request) -> Transfer:
+        self._check_open()
+        src = getattr(request, "src", None)
+        source = self._source(src) if src is not None else None
+        group = getattr(request, "group", None)
+        if group is not None and (not isinstance(group, PeerGroup) or group.handle not in self._made_groups):
+            raise ConfigError("the peer group was not made by this engine")
+        plan = plan_request(request, self._nics, self._max_msg, self._rotation)
+        transfer = Transfer(plan.imms_per_target, dispatcher=self._dispatch, default_timeout=self._timeout)
+        with self._lock:
+            self._rotation += 1
+            self._stat_submitted += 1
+        self._backend_post(plan, transfer, source)
+        return transfer
+
+    def peer_group(self, peers: Sequence[DomainAddress | MemoryRegionDescriptor]) -> PeerGroup:
+        self._check_open()
+        resolved = []
+        for p in peers:
+            if isinstance(p, MemoryRegionDescriptor):
+                p = p.peer
+            if not isinstance(p, DomainAddress):
+                raise ConfigError(f"peer groups take DomainAddress or descriptors, got {type(p).__name__}")
+            self._backend_check_peer(p)
+            resolved.append(p)
+        if not resolved:
+            raise ConfigError("a peer group needs at least one peer")
+        handle = next(self._groups)
+        self._made_groups.add(handle)
+        return PeerGroup(handle, tuple(resolved), frozenset(p.raw for p in resolved))
+
+    def counter(self, imm: int) -> ImmCounter:
+        return self._counters.counter(imm, self._timeout)
+
+    # --- two-sided -----------------------------------------------------------------
+    def submit_send(self, peer: DomainAddress, data: bytes | bytearray | memoryview) -> Transfer:
+        self._check_open()
+        if not isinstance(peer, DomainAddress):
+            raise ConfigError(f"peer must be a DomainAddress, got {type(peer).__name__}")
+        payload = bytes(data)
+        if len(payload) > self._caps.max_send_size:
+            raise ConfigError(
+                f"message of {len(payload)} bytes exceeds max_send_size {self._caps.max_send_size}: "
+                "move bulk data with a one-sided write"
+            )
+        transfer = Transfer((0,), dispatcher=self._dispatch, default_timeout=self._timeout)
+        with self._lock:
+            self._stat_submitted += 1
+        self._backend_send(peer, payload, transfer)
+        return transfer
+
+    def _enqueue_message(self, message: Message) -> None:
+        with self._msg_cv:
+            self._messages.append(message)
+            self._msg_cv.notify()
+
+    def recv(self, timeout: float | None = None) -> Message:
+        self._check_open()
+        limit = self._timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        with self._msg_cv:
+            while not self._messages:
+                left = deadline - time.monotonic()
+                if self._closed:
+                    raise EngineClosed("engine closed while waiting for a message")
+                if left <= 0:
+                    raise TransferTimeout(f"no control message within {limit:g} s")
+                self._msg_cv.wait(left)
+            msg = self._messages.popleft()
+        self._message_taken()
+        return msg
+
+    # --- failure & lifecycle -------------------------------------------------------
+    def _peer_lost(self, peer: bytes, exc: BaseException) -> None:
+        lost = PeerUnreachable(f"peer {peer.hex()} is gone ({exc})", peer=peer.hex())
+        self._counters.fail_peer(peer, lost)
+
+    def close(self, timeout: float | None = None) -> None:
+        limit = self._timeout if timeout is None else timeout
+        self._shutdown(EngineClosed("engine closed with this transfer in flight"), drain=True, timeout=limit)
+
+    def _shutdown(self, exc: BaseException, *, drain: bool, timeout: float) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._backend_stop(exc, drain, timeout)
+        self._counters.fail_all(exc)
+        for reg in list(self._regs.values()):
+            self._drop(reg)
+        with self._msg_cv:
+            self._msg_cv.notify_all()
+        self._backend_release(exc)
+        self._dispatch.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<{type(self).__name__} {self.address} nics={self._nics} {state}>"

@@ -1,0 +1,436 @@
+// fabric's engine core: the hot path every compiled backend shares.
+//
+// Engine<Domain> owns one domain group (one Domain per NIC) and one worker thread. Requests
+// arrive already planned (fabric_core.plan_request decides the work requests and the count
+// rule) through a lock-free MPSC queue; the worker resolves peers, posts work requests in
+// batches on every NIC, polls every CQ in batches, counts imms, and publishes completions in
+// batches that the binding hands to Python on its own thread (GIL taken once per batch). A
+// slow or raising Python callback therefore never stalls the NICs.
+//
+// A Domain provides (see fabric_efa's LibfabricDomain for the libfabric one):
+//   std::string address() const;                         // this NIC's address bytes
+//   uint64_t insert_peer(const std::string& address);    // peer handle (fi_addr_t, ...)
+//   bool virt_addr() const;                              // remote addresses are virtual
+//   int post_write(const WriteOp&, void* ctx);           // 0, -EAGAIN (retry later), -errno
+//   int post_send(const void* buf, size_t len, void* desc, uint64_t peer, void* ctx);
+//   int post_recv(void* buf, size_t len, void* desc, void* ctx);
+//   template <class Sink> size_t poll(Sink&);            // calls sink.on_*(...) per entry
+// Sink callbacks: on_write_done(ctx), on_send_done(ctx), on_recv(ctx, len),
+//                 on_imm(uint32_t imm), on_error(ctx, status, message).
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#if defined(__linux__)
+#include <pthread.h>
+#include <sched.h>
+#endif
+
+#include "mpsc_queue.hpp"
+
+namespace fabric {
+
+// Status codes handed to Python (mapped to the error tree there).
+enum Status : int32_t {
+    kOk = 0,
+    kPeerUnreachable = 1,
+    kRemoteAccess = 2,
+    kTransport = 3,
+    kClosed = 4,
+};
+
+struct WriteOp {
+    const void* src;
+    uint64_t len;
+    void* desc;       // local MR descriptor on this NIC (may be null)
+    uint64_t peer;    // peer handle from insert_peer
+    uint64_t raddr;   // remote address (virtual or offset, per the domain)
+    uint64_t rkey;
+    bool has_imm;
+    uint32_t imm;
+};
+
+struct Target {
+    std::vector<std::string> addresses;  // per NIC
+    std::vector<uint64_t> rkeys;         // per NIC
+    uint64_t remote_base = 0;            // the descriptor's ptr
+};
+
+struct Request;
+
+// Per work request context; the first 64 bytes are scratch for the provider (fi_context2).
+struct OpCtx {
+    alignas(16) unsigned char provider_scratch[64];
+    Request* request = nullptr;
+    uint32_t nic = 0;
+    uint32_t target = 0;
+    uint64_t src = 0;
+    uint64_t dst_off = 0;
+    uint64_t len = 0;
+    int kind = 0;  // 0 write, 1 send, 2 recv
+};
+
+struct Request {
+    uint64_t id = 0;
+    bool has_imm = false;
+    uint32_t imm = 0;
+    std::vector<void*> src_desc;  // per NIC
+    std::vector<Target> targets;
+    std::vector<OpCtx> ops;
+    // two-sided send
+    std::string payload;
+    void* payload_desc = nullptr;
+    std::string send_to;
+    // progress
+    size_t left = 0;
+    int32_t status = kOk;
+    std::string message;
+};
+
+struct Completion {
+    uint64_t id;
+    int32_t status;
+    std::string message;
+};
+
+struct Batch {
+    std::vector<Completion> done;
+    std::vector<std::pair<uint32_t, uint64_t>> imms;  // imm, count
+    std::vector<std::string> messages;
+    bool empty() const { return done.empty() && imms.empty() && messages.empty(); }
+};
+
+struct EngineStats {
+    uint64_t posted = 0;
+    uint64_t completed_wrs = 0;
+    uint64_t eagain = 0;
+    uint64_t polls = 0;
+};
+
+template <class Domain>
+class Engine {
+  public:
+    Engine(std::vector<std::unique_ptr<Domain>> nics, uint64_t chaos_seed, bool chaos, int cpu,
+           size_t recv_depth, size_t max_send)
+        : nics_(std::move(nics)),
+          chaos_(chaos),
+          rng_(chaos_seed),
+          pending_(nics_.size()),
+          peers_(nics_.size()),
+          recv_depth_(recv_depth),
+          max_send_(max_send) {
+        recv_bufs_.resize(recv_depth_);
+        recv_ctx_.resize(recv_depth_);
+        for (size_t i = 0; i < recv_depth_; i++) {
+            recv_bufs_[i].resize(max_send_);
+            recv_ctx_[i].kind = 2;
+            recv_ctx_[i].src = i;
+            int rc = nics_[0]->post_recv(recv_bufs_[i].data(), max_send_, nullptr, &recv_ctx_[i]);
+            if (rc != 0) throw std::runtime_error("posting control receive buffers failed: " + std::to_string(rc));
+        }
+        worker_ = std::thread([this, cpu] { run(cpu); });
+    }
+
+    ~Engine() { close(); }
+
+    Engine(const Engine&) = delete;
+    Engine& operator=(const Engine&) = delete;
+
+    size_t num_nics() const { return nics_.size(); }
+    Domain& nic(size_t i) { return *nics_.at(i); }
+
+    void submit(std::unique_ptr<Request> req) {
+        queue_.push(std::move(req));
+        if (sleeping_.load(std::memory_order_acquire)) {
+            std::lock_guard<std::mutex> lock(wake_mu_);
+            wake_cv_.notify_one();
+        }
+    }
+
+    // Blocks up to timeout_s for completions; returns whatever is ready (maybe nothing).
+    Batch wait_batch(double timeout_s) {
+        std::unique_lock<std::mutex> lock(out_mu_);
+        out_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s),
+                         [this] { return !out_.empty() || stopped_; });
+        Batch b;
+        std::swap(b, out_);
+        return b;
+    }
+
+    void close() {
+        if (stop_.exchange(true)) return;
+        {
+            std::lock_guard<std::mutex> lock(wake_mu_);
+            wake_cv_.notify_all();
+        }
+        if (worker_.joinable()) worker_.join();
+        {
+            std::lock_guard<std::mutex> lock(out_mu_);
+            stopped_ = true;
+        }
+        out_cv_.notify_all();
+    }
+
+    EngineStats stats() const {
+        EngineStats s;
+        s.posted = posted_.load();
+        s.completed_wrs = completed_.load();
+        s.eagain = eagain_.load();
+        return s;
+    }
+
+  private:
+    // --- worker -------------------------------------------------------------------------
+    void run(int cpu) {
+#if defined(__linux__)
+        if (cpu >= 0) {
+            cpu_set_t set;
+            CPU_ZERO(&set);
+            CPU_SET(cpu, &set);
+            pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+        }
+#endif
+        unsigned idle = 0;
+        while (!stop_.load(std::memory_order_acquire)) {
+            bool busy = intake();
+            busy |= post_pending();
+            busy |= poll_all();
+            publish();
+            if (busy || inflight_ > 0) {
+                idle = 0;
+                continue;
+            }
+            if (++idle < 2000) continue;
+            // Idle: keep polling for incoming imms and messages, but yield the CPU between.
+            sleeping_.store(true, std::memory_order_release);
+            {
+                std::unique_lock<std::mutex> lock(wake_mu_);
+                wake_cv_.wait_for(lock, std::chrono::microseconds(50));
+            }
+            sleeping_.store(false, std::memory_order_release);
+        }
+        // Fail whatever is still in flight: the engine is closing.
+        drain_on_close();
+    }
+
+    bool intake() {
+        bool any = false;
+        while (auto req = queue_.pop()) {
+            any = true;
+            Request* r = req.release();
+            live_.emplace(r->id, std::unique_ptr<Request>(r));
+            if (!r->send_to.empty()) {
+                r->left = 1;
+                inflight_++;
+                OpCtx& op = r->ops.emplace_back();
+                op.request = r;
+                op.kind = 1;
+                uint64_t peer = 0;
+                if (!resolve(0, r->send_to, peer)) {
+                    fail_op(op, kPeerUnreachable, "cannot resolve the peer's address");
+                    continue;
+                }
+                op.dst_off = peer;
+                pending_[0].push_back(&op);
+                continue;
+            }
+            r->left = r->ops.size();
+            inflight_ += r->ops.size();
+            std::vector<size_t> order(r->ops.size());
+            for (size_t i = 0; i < order.size(); i++) order[i] = i;
+            if (chaos_) std::shuffle(order.begin(), order.end(), rng_);
+            for (size_t i : order) {
+                OpCtx& op = r->ops[i];
+                op.request = r;
+                pending_[op.nic].push_back(&op);
+            }
+        }
+        return any;
+    }
+
+    bool resolve(uint32_t nic, const std::string& address, uint64_t& out) {
+        auto& cache = peers_[nic];
+        auto it = cache.find(address);
+        if (it != cache.end()) {
+            out = it->second;
+            return true;
+        }
+        try {
+            out = nics_[nic]->insert_peer(address);
+        } catch (...) {
+            return false;
+        }
+        cache.emplace(address, out);
+        return true;
+    }
+
+    bool post_pending() {
+        bool any = false;
+        for (uint32_t n = 0; n < nics_.size(); n++) {
+            auto& q = pending_[n];
+            unsigned budget = 256;
+            while (!q.empty() && budget--) {
+                OpCtx* op = q.front();
+                int rc = post(n, *op);
+                if (rc == -EAGAIN) {
+                    eagain_++;
+                    break;  // the NIC is full: poll, then retry
+                }
+                q.pop_front();
+                any = true;
+                if (rc != 0) {
+                    fail_op(*op, kTransport, "posting failed: error " + std::to_string(-rc));
+                } else {
+                    posted_++;
+                }
+            }
+        }
+        return any;
+    }
+
+    int post(uint32_t n, OpCtx& op) {
+        Request& r = *op.request;
+        if (op.kind == 1) {
+            return nics_[n]->post_send(r.payload.data(), r.payload.size(), r.payload_desc, op.dst_off, &op);
+        }
+        const Target& t = r.targets[op.target];
+        uint64_t peer = 0;
+        if (!resolve(n, t.addresses[n], peer)) return -EHOSTUNREACH;
+        WriteOp w;
+        w.src = reinterpret_cast<const void*>(op.src);
+        w.len = op.len;
+        w.desc = r.src_desc.empty() ? nullptr : r.src_desc[n];
+        w.peer = peer;
+        w.raddr = (nics_[n]->virt_addr() ? t.remote_base : 0) + op.dst_off;
+        w.rkey = t.rkeys[n];
+        w.has_imm = r.has_imm;
+        w.imm = r.imm;
+        return nics_[n]->post_write(w, &op);
+    }
+
+    struct Sink {
+        Engine* self;
+        uint32_t nic;
+        void on_write_done(void* ctx) { self->finish_op(*static_cast<OpCtx*>(ctx)); }
+        void on_send_done(void* ctx) { self->finish_op(*static_cast<OpCtx*>(ctx)); }
+        void on_recv(void* ctx, size_t len) { self->got_message(*static_cast<OpCtx*>(ctx), len); }
+        void on_imm(uint32_t imm) { self->imm_counts_[imm]++; }
+        void on_error(void* ctx, int32_t status, const std::string& message) {
+            if (ctx == nullptr) return;
+            auto* op = static_cast<OpCtx*>(ctx);
+            if (op->kind == 2) return;  // a receive flushed at close
+            self->fail_op(*op, status, message);
+        }
+    };
+
+    bool poll_all() {
+        bool any = false;
+        for (uint32_t n = 0; n < nics_.size(); n++) {
+            Sink sink{this, n};
+            if (nics_[n]->poll(sink) > 0) any = true;
+        }
+        return any;
+    }
+
+    void finish_op(OpCtx& op) {
+        completed_++;
+        settle(op);
+    }
+
+    void fail_op(OpCtx& op, int32_t status, const std::string& message) {
+        Request& r = *op.request;
+        if (r.status == kOk) {
+            r.status = status;
+            r.message = message;
+        }
+        settle(op);
+    }
+
+    void settle(OpCtx& op) {
+        Request& r = *op.request;
+        inflight_--;
+        if (--r.left == 0) {
+            ready_.push_back(Completion{r.id, r.status, r.message});
+            live_.erase(r.id);
+        }
+    }
+
+    void got_message(OpCtx& op, size_t len) {
+        messages_.emplace_back(recv_bufs_[op.src].data(), len);
+        nics_[0]->post_recv(recv_bufs_[op.src].data(), max_send_, nullptr, &op);
+    }
+
+    void publish() {
+        if (ready_.empty() && imm_counts_.empty() && messages_.empty()) return;
+        if (chaos_) std::shuffle(ready_.begin(), ready_.end(), rng_);
+        {
+            std::lock_guard<std::mutex> lock(out_mu_);
+            for (auto& c : ready_) out_.done.push_back(std::move(c));
+            for (auto& [imm, n] : imm_counts_) out_.imms.emplace_back(imm, n);
+            for (auto& m : messages_) out_.messages.push_back(std::move(m));
+        }
+        out_cv_.notify_one();
+        ready_.clear();
+        imm_counts_.clear();
+        messages_.clear();
+    }
+
+    void drain_on_close() {
+        // Give posted work a short grace period, then fail everything left.
+        auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+        while (inflight_ > 0 && std::chrono::steady_clock::now() < deadline) {
+            post_pending();
+            poll_all();
+        }
+        for (auto& q : pending_) q.clear();
+        for (auto& [id, r] : live_) ready_.push_back(Completion{id, kClosed, "engine closed with this transfer in flight"});
+        live_.clear();
+        inflight_ = 0;
+        publish();
+    }
+
+    std::vector<std::unique_ptr<Domain>> nics_;
+    bool chaos_;
+    std::mt19937_64 rng_;
+    MpscQueue<Request> queue_;
+    std::vector<std::deque<OpCtx*>> pending_;
+    std::vector<std::unordered_map<std::string, uint64_t>> peers_;
+    std::unordered_map<uint64_t, std::unique_ptr<Request>> live_;
+    size_t inflight_ = 0;
+    std::vector<Completion> ready_;
+    std::unordered_map<uint32_t, uint64_t> imm_counts_;
+    std::vector<std::string> messages_;
+    size_t recv_depth_;
+    size_t max_send_;
+    std::vector<std::vector<char>> recv_bufs_;
+    std::vector<OpCtx> recv_ctx_;
+
+    std::mutex out_mu_;
+    std::condition_variable out_cv_;
+    Batch out_;
+    bool stopped_ = false;
+
+    std::mutex wake_mu_;
+    std::condition_variable wake_cv_;
+    std::atomic<bool> sleeping_{false};
+    std::atomic<bool> stop_{false};
+    std::atomic<uint64_t> posted_{0}, completed_{0}, eagain_{0};
+    std::thread worker_;
+};
+
+}  // namespace fabric
