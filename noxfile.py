@@ -138,6 +138,26 @@ def bench(session: nox.Session) -> None:
     )
 
 
+@nox.session
+def efa(session: nox.Session) -> None:
+    """Build fabric-efa against the system libfabric and run its conformance suite in this
+    process on shm and tcp;ofi_rxm (chaos on), plus stubtest of the compiled module."""
+    _system_packages(session, "libfabric-dev", "g++", "cmake", "pkg-config")
+    _install(session, "test", "lint")
+    session.install(*CONSTRAINTS, "pybind11>=2.13", "scikit-build-core>=0.10")
+    session.install(*CONSTRAINTS, "--no-build-isolation", "./packages/fabric-efa")
+    session.run("python", "-m", "mypy.stubtest", "fabric_efa._efa", "--ignore-missing-stub")
+    session.run(
+        "pytest",
+        "packages/fabric-efa/tests",
+        "-q",
+        "--fabric-seeds",
+        os.environ.get("FABRIC_EFA_SEEDS", "2"),
+        *session.posargs,
+        env={"FI_TCP_IFACE": "lo"},
+    )
+
+
 @nox.session(venv_backend="none")
 def ceiling(session: nox.Session) -> None:
     """The raw-libfabric ceiling (benchmarks/ceiling/fi_ceiling.c) on shm and tcp;ofi_rxm."""

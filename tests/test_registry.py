@@ -37,7 +37,7 @@ class _FakeBackend(Backend):
     available: ClassVar[bool] = True
 
     @classmethod
-    def probe(cls) -> ProbeResult:
+    def probe(cls, settings: FabricSettings | None = None) -> ProbeResult:
         return ProbeResult(cls.available, "" if cls.available else f"{cls.name}: no device here")
 
     @classmethod

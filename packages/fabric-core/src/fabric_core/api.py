@@ -233,8 +233,9 @@ class Backend(ABC):
 
     @classmethod
     @abstractmethod
-    def probe(cls) -> ProbeResult:
-        """Cheap check of library and device presence; never raises."""
+    def probe(cls, settings: FabricSettings | None = None) -> ProbeResult:
+        """Cheap check of library and device presence (for ``settings``, else the
+        environment's); never raises."""
 
     @classmethod
     @abstractmethod

@@ -76,7 +76,7 @@ def select_backend(settings: FabricSettings) -> type[Backend]:
     """Resolve ``settings.backend`` ('auto' tries efa then verbs) to a runnable backend."""
     if settings.backend != "auto":
         cls = load_backend(settings.backend)
-        result = cls.probe()
+        result = cls.probe(settings)
         if not result.available:
             raise BackendUnavailable(settings.backend, result.reason)
         return cls
@@ -87,7 +87,7 @@ def select_backend(settings: FabricSettings) -> type[Backend]:
         except (BackendNotInstalled, BackendUnavailable) as exc:
             reasons.append(str(exc))
             continue
-        result = cls.probe()
+        result = cls.probe(settings)
         if result.available:
             return cls
         reasons.append(f"{name}: {result.reason}")

@@ -55,7 +55,7 @@ class SimBackend(Backend):
     distribution = "fabric-sim"
 
     @classmethod
-    def probe(cls) -> ProbeResult:
+    def probe(cls, settings: FabricSettings | None = None) -> ProbeResult:
         return ProbeResult(True, "pure Python, always available")
 
     @classmethod

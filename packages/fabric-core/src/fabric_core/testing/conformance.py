@@ -96,6 +96,11 @@ def _nics_ok(h: Harness, nics: int) -> None:
         pytest.skip(f"harness offers at most {h.max_nics} NICs")
 
 
+def _remote_errors(h: Harness) -> None:
+    if not h.reports_remote_access_errors:
+        pytest.skip("the transport does not report remote access errors to the writer")
+
+
 def _faults(h: Harness) -> None:
     if not h.supports_faults:
         pytest.skip("harness cannot inject faults")
@@ -737,6 +742,7 @@ class CallbackConformance(_Base):
             release.set()
 
     def test_on_error_gets_typed_error(self, h: Harness) -> None:
+        _remote_errors(h)
         p = _pair(h)
         p.b.deregister(p.dst_mr)
         got: list[BaseException] = []
@@ -890,6 +896,7 @@ class LifecycleConformance(_Base):
         assert isinstance(t.exception(T), PeerUnreachable)
 
     def test_write_into_deregistered_region_fails_and_changes_nothing(self, h: Harness) -> None:
+        _remote_errors(h)
         p = _pair(h)
         p.b.deregister(p.dst_mr)
         t = p.a.submit_write(p.src_mr, 0, 4096, p.desc, 0, imm=1)

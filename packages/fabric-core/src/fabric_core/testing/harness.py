@@ -26,6 +26,9 @@ class Harness(ABC):
     """``kill_peer`` and ``kill_nic`` work."""
     max_nics: int = 1
     """Largest NIC count ``open_engine`` can give."""
+    reports_remote_access_errors: bool = True
+    """A write with a stale or forged key fails at the writer (some providers never report it:
+    libfabric's shm and tcp leave such a write incomplete)."""
 
     def __init__(self) -> None:
         self._engines: list[TransferEngine] = []

@@ -1,0 +1,248 @@
+// One NIC through libfabric: an RDM endpoint with its own fabric, domain, address vector and
+// completion queue. The same code drives the efa provider on AWS and shm / tcp;ofi_rxm here.
+#pragma once
+
+#include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+#include <fabric/engine.hpp>
+
+namespace fabric::efa {
+
+class LibfabricError : public std::runtime_error {
+  public:
+    LibfabricError(const std::string& what, int code)
+        : std::runtime_error(what + ": " + fi_strerror(code < 0 ? -code : code)), code_(code < 0 ? -code : code) {}
+    int code() const { return code_; }
+
+  private:
+    int code_;
+};
+
+inline void check(int rc, const char* what) {
+    if (rc != 0) throw LibfabricError(what, rc);
+}
+
+inline int32_t status_of(int err) {
+    switch (err) {
+        case FI_EHOSTUNREACH:
+        case FI_ECONNREFUSED:
+        case FI_ECONNRESET:
+        case FI_ECONNABORTED:
+        case FI_ENOTCONN:
+        case FI_EIO:
+            return kPeerUnreachable;
+        case FI_EACCES:
+        case FI_EKEYREJECTED:
+        case FI_EINVAL:
+        case FI_EREMOTEIO:
+            return kRemoteAccess;
+        default:
+            return kTransport;
+    }
+}
+
+struct ProviderInfo {
+    std::string provider;
+    std::string fabric;
+    std::string domain;
+    uint64_t max_msg_size = 0;
+    uint64_t mr_mode = 0;
+    uint64_t inject_size = 0;
+    uint64_t cq_data_size = 0;
+    uint64_t max_tx = 0;
+    bool hmem = false;
+};
+
+class LibfabricDomain {
+  public:
+    // Opens the index-th endpoint on `provider` (several per process emulate several NICs).
+    LibfabricDomain(const std::string& provider, int index, size_t cq_size) {
+        fi_info* hints = fi_allocinfo();
+        if (!hints) throw std::bad_alloc();
+        hints->ep_attr->type = FI_EP_RDM;
+        hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_MSG | FI_SEND | FI_RECV;
+        hints->mode = FI_CONTEXT | FI_CONTEXT2;
+        hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
+        hints->domain_attr->threading = FI_THREAD_SAFE;
+        hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
+        hints->fabric_attr->prov_name = strdup(provider.c_str());
+        int rc = fi_getinfo(FI_VERSION(1, 17), nullptr, nullptr, 0, hints, &info_);
+        fi_freeinfo(hints);
+        if (rc != 0) throw LibfabricError("fi_getinfo(" + provider + ")", rc);
+        try {
+            check(fi_fabric(info_->fabric_attr, &fabric_, nullptr), "fi_fabric");
+            check(fi_domain(fabric_, info_, &domain_, nullptr), "fi_domain");
+            fi_av_attr av_attr{};
+            av_attr.type = FI_AV_TABLE;
+            check(fi_av_open(domain_, &av_attr, &av_, nullptr), "fi_av_open");
+            fi_cq_attr cq_attr{};
+            cq_attr.format = FI_CQ_FORMAT_DATA;
+            cq_attr.size = cq_size;
+            check(fi_cq_open(domain_, &cq_attr, &cq_, nullptr), "fi_cq_open");
+            check(fi_endpoint(domain_, info_, &ep_, nullptr), "fi_endpoint");
+            check(fi_ep_bind(ep_, &av_->fid, 0), "fi_ep_bind(av)");
+            check(fi_ep_bind(ep_, &cq_->fid, FI_TRANSMIT | FI_RECV), "fi_ep_bind(cq)");
+            check(fi_enable(ep_), "fi_enable");
+            char name[256];
+            size_t len = sizeof(name);
+            check(fi_getname(&ep_->fid, name, &len), "fi_getname");
+            address_.assign(name, len);
+        } catch (...) {
+            close();
+            throw;
+        }
+        (void)index;
+    }
+
+    ~LibfabricDomain() { close(); }
+    LibfabricDomain(const LibfabricDomain&) = delete;
+    LibfabricDomain& operator=(const LibfabricDomain&) = delete;
+
+    ProviderInfo info() const {
+        ProviderInfo p;
+        p.provider = info_->fabric_attr->prov_name ? info_->fabric_attr->prov_name : "";
+        p.fabric = info_->fabric_attr->name ? info_->fabric_attr->name : "";
+        p.domain = info_->domain_attr->name ? info_->domain_attr->name : "";
+        p.max_msg_size = info_->ep_attr->max_msg_size;
+        p.mr_mode = static_cast<uint64_t>(info_->domain_attr->mr_mode);
+        p.inject_size = info_->tx_attr->inject_size;
+        p.cq_data_size = info_->domain_attr->cq_data_size;
+        p.max_tx = info_->tx_attr->size;
+        p.hmem = (info_->caps & FI_HMEM) != 0;
+        return p;
+    }
+
+    const std::string& address() const { return address_; }
+    bool virt_addr() const { return (info_->domain_attr->mr_mode & FI_MR_VIRT_ADDR) != 0; }
+    bool local_mr() const { return (info_->domain_attr->mr_mode & FI_MR_LOCAL) != 0; }
+
+    uint64_t insert_peer(const std::string& address) {
+        fi_addr_t out = FI_ADDR_UNSPEC;
+        std::lock_guard<std::mutex> lock(av_mu_);
+        int n = fi_av_insert(av_, address.data(), 1, &out, 0, nullptr);
+        if (n != 1) throw LibfabricError("fi_av_insert", n < 0 ? n : -FI_EINVAL);
+        return out;
+    }
+
+    // Registers [ptr, ptr+len) for local use and remote writes; returns (mr, key, desc).
+    fid_mr* register_memory(void* ptr, size_t len, uint64_t requested_key, bool remote_write, uint64_t& key,
+                            void*& desc) {
+        fid_mr* mr = nullptr;
+        uint64_t access = FI_WRITE | FI_SEND | FI_RECV | (remote_write ? FI_REMOTE_WRITE : 0);
+        int rc = fi_mr_reg(domain_, ptr, len, access, 0, requested_key, 0, &mr, nullptr);
+        if (rc != 0) throw LibfabricError("fi_mr_reg", rc);
+        key = fi_mr_key(mr);
+        desc = fi_mr_desc(mr);
+        return mr;
+    }
+
+    int post_write(const WriteOp& w, void* ctx) {
+        // A zero-length write (imm only) still names a valid local buffer and remote range:
+        // some providers dereference them.
+        static char zero_len_source[8];
+        void* src = w.len == 0 ? zero_len_source : const_cast<void*>(w.src);
+        iovec iov{src, static_cast<size_t>(w.len)};
+        fi_rma_iov rma{w.raddr, static_cast<size_t>(w.len), w.rkey};
+        void* desc = w.desc;
+        fi_msg_rma msg{};
+        msg.msg_iov = &iov;
+        msg.desc = &desc;
+        msg.iov_count = 1;
+        msg.addr = w.peer;
+        msg.rma_iov = &rma;
+        msg.rma_iov_count = 1;
+        msg.context = ctx;
+        msg.data = w.imm;
+        // Delivery-complete: a completed write's bytes are in place at the target. A zero-length
+        // write has no bytes, and shm never completes one asked to deliver-complete.
+        uint64_t flags = FI_COMPLETION | (w.len ? FI_DELIVERY_COMPLETE : 0) | (w.has_imm ? FI_REMOTE_CQ_DATA : 0);
+        ssize_t rc = fi_writemsg(ep_, &msg, flags);
+        return rc == -FI_EAGAIN ? -EAGAIN : static_cast<int>(rc);
+    }
+
+    int post_send(const void* buf, size_t len, void* desc, uint64_t peer, void* ctx) {
+        ssize_t rc = fi_send(ep_, buf, len, desc, peer, ctx);
+        return rc == -FI_EAGAIN ? -EAGAIN : static_cast<int>(rc);
+    }
+
+    int post_recv(void* buf, size_t len, void* desc, void* ctx) {
+        ssize_t rc;
+        do {
+            rc = fi_recv(ep_, buf, len, desc, FI_ADDR_UNSPEC, ctx);
+            if (rc == -FI_EAGAIN) fi_cq_read(cq_, nullptr, 0);
+        } while (rc == -FI_EAGAIN);
+        return static_cast<int>(rc);
+    }
+
+    template <class Sink>
+    size_t poll(Sink& sink) {
+        fi_cq_data_entry entries[64];
+        ssize_t got = fi_cq_read(cq_, entries, 64);
+        if (got == -FI_EAGAIN) return 0;
+        if (got == -FI_EAVAIL) {
+            fi_cq_err_entry err{};
+            if (fi_cq_readerr(cq_, &err, 0) == 1) {
+                char buf[256] = {0};
+                const char* detail = fi_cq_strerror(cq_, err.prov_errno, err.err_data, buf, sizeof(buf));
+                std::string message = std::string(fi_strerror(err.err)) + (detail ? std::string(" (") + detail + ")" : "");
+                sink.on_error(err.op_context, status_of(err.err), message);
+            }
+            return 1;
+        }
+        if (got < 0) return 0;
+        for (ssize_t i = 0; i < got; i++) {
+            const fi_cq_data_entry& e = entries[i];
+            if (e.flags & FI_REMOTE_CQ_DATA) {
+                sink.on_imm(static_cast<uint32_t>(e.data));
+                if (!(e.flags & FI_RECV)) continue;
+            }
+            if (e.flags & FI_RECV) {
+                sink.on_recv(e.op_context, e.len);
+            } else if (e.flags & FI_SEND) {
+                sink.on_send_done(e.op_context);
+            } else if (e.flags & (FI_WRITE | FI_RMA)) {
+                sink.on_write_done(e.op_context);
+            }
+        }
+        return static_cast<size_t>(got);
+    }
+
+  private:
+    void close() {
+        if (ep_) fi_close(&ep_->fid);
+        if (cq_) fi_close(&cq_->fid);
+        if (av_) fi_close(&av_->fid);
+        if (domain_) fi_close(&domain_->fid);
+        if (fabric_) fi_close(&fabric_->fid);
+        if (info_) fi_freeinfo(info_);
+        ep_ = nullptr;
+        cq_ = nullptr;
+        av_ = nullptr;
+        domain_ = nullptr;
+        fabric_ = nullptr;
+        info_ = nullptr;
+    }
+
+    fi_info* info_ = nullptr;
+    fid_fabric* fabric_ = nullptr;
+    fid_domain* domain_ = nullptr;
+    fid_av* av_ = nullptr;
+    fid_cq* cq_ = nullptr;
+    fid_ep* ep_ = nullptr;
+    std::mutex av_mu_;
+    std::string address_;
+};
+
+}  // namespace fabric::efa

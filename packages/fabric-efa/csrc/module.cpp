@@ -1,0 +1,249 @@
+// fabric_efa._efa: the libfabric backend's compiled module.
+//
+// Python plans and validates a request (fabric_core.plan_request) and hands the plan's arrays
+// over in one call; everything per work request (building contexts, resolving peers, posting,
+// polling, counting imms) happens in C++ with the GIL released.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+#include "libfabric_domain.hpp"
+
+namespace py = pybind11;
+using fabric::efa::LibfabricDomain;
+using fabric::efa::LibfabricError;
+
+namespace {
+
+struct Registration {
+    std::vector<fid_mr*> mrs;
+    std::vector<void*> descs;
+    std::vector<uint64_t> keys;
+};
+
+using TargetSpec = std::tuple<std::vector<py::bytes>, std::vector<uint64_t>, uint64_t>;
+
+class EfaEngine {
+  public:
+    EfaEngine(const std::string& provider, int nics, std::optional<uint64_t> chaos_seed, int cpu, size_t recv_depth,
+              size_t max_send) {
+        std::vector<std::unique_ptr<LibfabricDomain>> domains;
+        for (int i = 0; i < nics; i++) domains.push_back(std::make_unique<LibfabricDomain>(provider, i, 4096));
+        for (auto& d : domains) addresses_.push_back(d->address());
+        info_ = domains[0]->info();
+        engine_ = std::make_unique<fabric::Engine<LibfabricDomain>>(std::move(domains), chaos_seed.value_or(0),
+                                                                   chaos_seed.has_value(), cpu, recv_depth, max_send);
+    }
+
+    ~EfaEngine() { close(); }
+
+    std::vector<py::bytes> addresses() const {
+        std::vector<py::bytes> out;
+        for (auto& a : addresses_) out.emplace_back(a);
+        return out;
+    }
+
+    py::dict provider_info() const {
+        py::dict d;
+        d["provider"] = info_.provider;
+        d["fabric"] = info_.fabric;
+        d["domain"] = info_.domain;
+        d["max_msg_size"] = info_.max_msg_size;
+        d["mr_mode"] = info_.mr_mode;
+        d["inject_size"] = info_.inject_size;
+        d["cq_data_size"] = info_.cq_data_size;
+        d["tx_size"] = info_.max_tx;
+        d["hmem"] = info_.hmem;
+        return d;
+    }
+
+    std::pair<uint64_t, std::vector<uint64_t>> register_memory(uint64_t ptr, uint64_t len, bool remote_write) {
+        check_open();
+        Registration reg;
+        uint64_t handle = next_handle_++;
+        try {
+            for (size_t n = 0; n < engine_->num_nics(); n++) {
+                uint64_t key = 0;
+                void* desc = nullptr;
+                fid_mr* mr = engine_->nic(n).register_memory(reinterpret_cast<void*>(ptr), len, handle, remote_write,
+                                                             key, desc);
+                reg.mrs.push_back(mr);
+                reg.descs.push_back(desc);
+                reg.keys.push_back(key);
+            }
+        } catch (...) {
+            for (auto* mr : reg.mrs) fi_close(&mr->fid);
+            throw;
+        }
+        std::vector<uint64_t> keys = reg.keys;
+        std::lock_guard<std::mutex> lock(mu_);
+        regs_.emplace(handle, std::move(reg));
+        return {handle, keys};
+    }
+
+    void deregister(uint64_t handle) {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = regs_.find(handle);
+        if (it == regs_.end()) return;
+        for (auto* mr : it->second.mrs) fi_close(&mr->fid);
+        regs_.erase(it);
+    }
+
+    void submit_write(uint64_t id, uint64_t src_handle, uint64_t src_base, py::array_t<int64_t> nic,
+                      py::array_t<int64_t> target, py::array_t<int64_t> src_off, py::array_t<int64_t> dst_off,
+                      py::array_t<int64_t> length, int64_t imm, const std::vector<TargetSpec>& targets) {
+        check_open();
+        auto req = std::make_unique<fabric::Request>();
+        req->id = id;
+        req->has_imm = imm >= 0;
+        req->imm = static_cast<uint32_t>(imm >= 0 ? imm : 0);
+        if (src_handle != 0) {  // imm-only writes and barriers carry no source
+            std::lock_guard<std::mutex> lock(mu_);
+            auto it = regs_.find(src_handle);
+            if (it == regs_.end()) throw std::invalid_argument("source registration is gone");
+            req->src_desc = it->second.descs;
+        }
+        for (const auto& [addrs, keys, base] : targets) {
+            fabric::Target t;
+            for (const auto& a : addrs) t.addresses.emplace_back(a);
+            t.rkeys = keys;
+            t.remote_base = base;
+            req->targets.push_back(std::move(t));
+        }
+        auto n = nic.unchecked<1>();
+        auto tg = target.unchecked<1>();
+        auto so = src_off.unchecked<1>();
+        auto dof = dst_off.unchecked<1>();
+        auto ln = length.unchecked<1>();
+        py::ssize_t count = n.shape(0);
+        {
+            py::gil_scoped_release release;
+            req->ops.resize(static_cast<size_t>(count));
+            for (py::ssize_t i = 0; i < count; i++) {
+                fabric::OpCtx& op = req->ops[static_cast<size_t>(i)];
+                op.nic = static_cast<uint32_t>(n(i));
+                op.target = static_cast<uint32_t>(tg(i));
+                op.src = src_base + static_cast<uint64_t>(so(i));
+                op.dst_off = static_cast<uint64_t>(dof(i));
+                op.len = static_cast<uint64_t>(ln(i));
+            }
+            engine_->submit(std::move(req));
+        }
+    }
+
+    void submit_send(uint64_t id, py::bytes address, py::bytes payload) {
+        check_open();
+        auto req = std::make_unique<fabric::Request>();
+        req->id = id;
+        req->send_to = address;
+        req->payload = payload;
+        py::gil_scoped_release release;
+        engine_->submit(std::move(req));
+    }
+
+    py::tuple wait_batch(double timeout_s) {
+        fabric::Batch b;
+        {
+            py::gil_scoped_release release;
+            b = engine_->wait_batch(timeout_s);
+        }
+        py::list done, imms, messages;
+        for (auto& c : b.done) done.append(py::make_tuple(c.id, c.status, c.message));
+        for (auto& [imm, n] : b.imms) imms.append(py::make_tuple(imm, n));
+        for (auto& m : b.messages) messages.append(py::bytes(m));
+        return py::make_tuple(done, imms, messages);
+    }
+
+    py::dict stats() const {
+        auto s = engine_->stats();
+        py::dict d;
+        d["posted"] = s.posted;
+        d["completed_wrs"] = s.completed_wrs;
+        d["eagain"] = s.eagain;
+        return d;
+    }
+
+    void close() {
+        if (!engine_ || closed_) return;
+        closed_ = true;
+        {
+            py::gil_scoped_release release;
+            engine_->close();
+        }
+        std::lock_guard<std::mutex> lock(mu_);
+        for (auto& [h, reg] : regs_)
+            for (auto* mr : reg.mrs) fi_close(&mr->fid);
+        regs_.clear();
+    }
+
+    void destroy() {
+        close();
+        py::gil_scoped_release release;
+        engine_.reset();
+    }
+
+  private:
+    void check_open() const {
+        if (closed_) throw std::runtime_error("engine is closed");
+    }
+
+    std::vector<std::string> addresses_;
+    fabric::efa::ProviderInfo info_;
+    std::unique_ptr<fabric::Engine<LibfabricDomain>> engine_;
+    std::mutex mu_;
+    std::unordered_map<uint64_t, Registration> regs_;
+    uint64_t next_handle_ = 1;
+    bool closed_ = false;
+};
+
+// Cheap check: can fi_getinfo find an RDM endpoint with RMA and remote CQ data here?
+std::optional<std::string> probe(const std::string& provider) {
+    fi_info* hints = fi_allocinfo();
+    hints->ep_attr->type = FI_EP_RDM;
+    hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_MSG;
+    hints->mode = FI_CONTEXT | FI_CONTEXT2;
+    hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
+    hints->fabric_attr->prov_name = strdup(provider.c_str());
+    fi_info* info = nullptr;
+    int rc = fi_getinfo(FI_VERSION(1, 17), nullptr, nullptr, 0, hints, &info);
+    fi_freeinfo(hints);
+    if (info) fi_freeinfo(info);
+    if (rc != 0) return std::string("fi_getinfo found no RDM endpoint on provider '") + provider + "': " + fi_strerror(-rc);
+    return std::nullopt;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_efa, m) {
+    m.doc() = "libfabric engine of fabric-efa (compiled)";
+    static py::exception<LibfabricError> error(m, "LibfabricError", PyExc_RuntimeError);
+    m.def("probe", &probe, py::arg("provider"));
+    m.def("libfabric_version", [] {
+        uint32_t v = fi_version();
+        return py::make_tuple(FI_MAJOR(v), FI_MINOR(v));
+    });
+    py::class_<EfaEngine>(m, "Engine", py::module_local())
+        .def(py::init<const std::string&, int, std::optional<uint64_t>, int, size_t, size_t>(), py::arg("provider"),
+             py::arg("nics"), py::arg("chaos_seed"), py::arg("cpu"), py::arg("recv_depth"), py::arg("max_send"))
+        .def("addresses", &EfaEngine::addresses)
+        .def("provider_info", &EfaEngine::provider_info)
+        .def("register_memory", &EfaEngine::register_memory, py::arg("ptr"), py::arg("length"), py::arg("remote_write"))
+        .def("deregister", &EfaEngine::deregister, py::arg("handle"))
+        .def("submit_write", &EfaEngine::submit_write, py::arg("id"), py::arg("src_handle"), py::arg("src_base"),
+             py::arg("nic"), py::arg("target"), py::arg("src_off"), py::arg("dst_off"), py::arg("length"),
+             py::arg("imm"), py::arg("targets"))
+        .def("submit_send", &EfaEngine::submit_send, py::arg("id"), py::arg("address"), py::arg("payload"))
+        .def("wait_batch", &EfaEngine::wait_batch, py::arg("timeout_s"))
+        .def("stats", &EfaEngine::stats)
+        .def("close", &EfaEngine::close)
+        .def("destroy", &EfaEngine::destroy);
+}

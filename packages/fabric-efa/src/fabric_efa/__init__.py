@@ -1,0 +1,65 @@
+"""fabric-efa: the libfabric backend of fabric."""
+
+from __future__ import annotations
+
+import logging
+
+from fabric_core.api import API_VERSION, Backend, ProbeResult, TransferEngine
+from fabric_core.errors import BackendUnavailable
+from fabric_core.models import Device, TopologyGroup
+from fabric_core.settings import FabricSettings
+
+__all__ = ["EfaBackend"]
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+
+def _native() -> object:
+    try:
+        from . import _efa
+    except ImportError as exc:  # the module exists but libfabric.so is missing or broken
+        raise BackendUnavailable(
+            "efa",
+            f"the compiled module cannot load libfabric ({exc}); install it: sudo apt-get install libfabric1",
+        ) from exc
+    return _efa
+
+
+class EfaBackend(Backend):
+    """Entry point ``efa`` of the ``fabric.backends`` group."""
+
+    name = "efa"
+    api_version = API_VERSION
+    distribution = "fabric-efa"
+
+    @classmethod
+    def probe(cls, settings: FabricSettings | None = None) -> ProbeResult:
+        from fabric_core.errors import ConfigError
+        from fabric_core.settings import load_settings
+
+        try:
+            native = _native()
+            prov = (settings or load_settings()).efa_provider
+        except (BackendUnavailable, ConfigError) as exc:
+            return ProbeResult(False, str(exc))
+        problem = native.probe(prov)  # type: ignore[attr-defined]
+        return ProbeResult(problem is None, problem or f"provider {prov}")
+
+    @classmethod
+    def detect_topology(cls, settings: FabricSettings) -> list[TopologyGroup]:
+        from .engine import EfaEngine
+
+        engine = EfaEngine(settings)
+        try:
+            return [TopologyGroup(device=Device(), domains=engine.domains)]
+        finally:
+            engine.close()
+
+    @classmethod
+    def open(cls, settings: FabricSettings) -> TransferEngine:
+        result = cls.probe(settings)
+        if not result.available:
+            raise BackendUnavailable("efa", result.reason)
+        from .engine import EfaEngine
+
+        return EfaEngine(settings)

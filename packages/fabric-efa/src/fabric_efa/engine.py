@@ -1,0 +1,192 @@
+"""``EfaEngine``: fabric's contract on libfabric RDM endpoints through the C++ engine core."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import struct
+import threading
+import time
+from typing import Any
+
+from fabric_core.base import EngineBase, Registration
+from fabric_core.errors import (
+    BackendUnavailable,
+    EngineClosed,
+    FabricError,
+    PeerUnreachable,
+    RemoteAccessError,
+    TransportError,
+)
+from fabric_core.memory import MemorySpan
+from fabric_core.models import Capabilities, DomainAddress, DomainInfo
+from fabric_core.ops import Message, Plan
+from fabric_core.settings import FabricSettings
+from fabric_core.transfer import Transfer
+
+from . import _efa
+
+__all__ = ["EfaEngine"]
+
+logger = logging.getLogger(__name__)
+
+_engines = itertools.count(1)
+# Endpoints closed in this process. Writing to one of them would touch freed provider state
+# (the shm provider crashes), so such writes fail with PeerUnreachable before posting. Peers
+# that die in other processes are the liveness protocol's to detect.
+_closed_here: set[bytes] = set()
+_HEADER = struct.Struct("<B")  # length of the sender's address, then the address, then the data
+# Status codes of fabric/engine.hpp
+_STATUS: dict[int, type[TransportError]] = {1: PeerUnreachable, 2: RemoteAccessError, 3: TransportError}
+_CLOSED = 4
+
+
+class EfaEngine(EngineBase):
+    """One domain group of ``settings.nics`` endpoints on ``settings.efa_provider``."""
+
+    def __init__(self, settings: FabricSettings) -> None:
+        nics = settings.nics or 1
+        provider = settings.efa_provider
+        header = 1 + 255
+        try:
+            self._core = _efa.Engine(
+                provider,
+                nics,
+                settings.chaos_seed,
+                -1 if settings.worker_cpu is None else settings.worker_cpu,
+                settings.recv_depth,
+                settings.max_send_size + header,
+            )
+        except RuntimeError as exc:
+            raise BackendUnavailable(
+                "efa", f"cannot open {nics} endpoint(s) on provider {provider!r}: {exc}"
+            ) from exc
+        info: dict[str, Any] = self._core.provider_info()
+        self.provider_info = info
+        max_msg = int(info["max_msg_size"]) or (1 << 30)
+        max_msg = min(max_msg, 1 << 62, settings.max_msg_size or (1 << 62))
+        addresses = [DomainAddress(raw=a) for a in self._core.addresses()]
+        _closed_here.difference_update(a.raw for a in addresses)  # a port can be reused
+        self._inflight: dict[int, Transfer] = {}
+        self._inflight_lock = threading.Lock()
+        super().__init__(
+            settings,
+            Capabilities(
+                backend="efa",
+                num_nics=nics,
+                max_msg_size=max_msg,
+                max_send_size=settings.max_send_size,
+                cuda_memory=False,
+            ),
+            addresses,
+            [
+                DomainInfo(name=f"{info['domain']}#{i}", provider=str(info["provider"]), max_msg_size=max_msg)
+                for i in range(nics)
+            ],
+            f"fabric-efa-cb-{next(_engines)}",
+        )
+        self._header = _HEADER.pack(len(self.address.raw)) + self.address.raw
+        self._stop = False
+        self._completer = threading.Thread(target=self._complete, name="fabric-efa-completion", daemon=True)
+        self._completer.start()
+
+    # --- completion path: one GIL acquisition per batch ------------------------------
+    def _complete(self) -> None:
+        while True:
+            done, imms, messages = self._core.wait_batch(0.05)
+            for xfer_id, status, message in done:
+                with self._inflight_lock:
+                    transfer = self._inflight.pop(xfer_id, None)
+                if transfer is None:
+                    continue
+                if status == 0:
+                    self._stat_completed += 1
+                    transfer._resolve(None)
+                else:
+                    self._stat_failed += 1
+                    exc: FabricError = (
+                        EngineClosed(message)
+                        if status == _CLOSED
+                        else _STATUS.get(status, TransportError)(message, transfer_id=xfer_id)
+                    )
+                    transfer._resolve(exc)
+            for imm, count in imms:
+                self._counters.add(imm, count)
+            for raw in messages:
+                (alen,) = _HEADER.unpack_from(raw)
+                peer = DomainAddress(raw=raw[1 : 1 + alen])
+                self._enqueue_message(Message(peer, raw[1 + alen :]))
+            if self._stop and not done and not imms and not messages:
+                return
+
+    # --- hooks -----------------------------------------------------------------------
+    def _backend_register(
+        self, span: MemorySpan, writable: bool, handle: int
+    ) -> tuple[tuple[int, ...], object]:
+        token, keys = self._core.register_memory(span.ptr, span.length, writable)
+        return tuple(keys), token
+
+    def _backend_deregister(self, token: object) -> None:
+        assert isinstance(token, int)
+        self._core.deregister(token)
+
+    def _gone(self, peer: bytes, transfer: Transfer) -> bool:
+        if peer not in _closed_here:
+            return False
+        self._stat_failed += 1
+        transfer._resolve(
+            PeerUnreachable(f"peer {peer.hex()} is closed", peer=peer.hex(), transfer_id=transfer.id)
+        )
+        return True
+
+    def _backend_post(self, plan: Plan, transfer: Transfer, source: Registration | None) -> None:
+        if any(self._gone(desc.peer.raw, transfer) for desc in plan.targets):
+            return
+        targets = [
+            ([nic.address.raw for nic in desc.nics], [nic.rkey for nic in desc.nics], desc.ptr)
+            for desc in plan.targets
+        ]
+        with self._inflight_lock:
+            self._inflight[transfer.id] = transfer
+        self._core.submit_write(
+            transfer.id,
+            source.token if source is not None and isinstance(source.token, int) else 0,
+            source.ptr if source is not None else 0,
+            plan.nic,
+            plan.target,
+            plan.src_off,
+            plan.dst_off,
+            plan.length,
+            -1 if plan.imm is None else plan.imm,
+            targets,
+        )
+
+    def _backend_send(self, peer: DomainAddress, payload: bytes, transfer: Transfer) -> None:
+        if self._gone(peer.raw, transfer):
+            return
+        with self._inflight_lock:
+            self._inflight[transfer.id] = transfer
+        self._core.submit_send(transfer.id, peer.raw, self._header + payload)
+
+    def _backend_check_peer(self, peer: DomainAddress) -> None:
+        if len(peer.raw) != len(self.address.raw):
+            raise PeerUnreachable(f"{peer} is not an address of provider {self.provider_info['provider']}")
+
+    def _backend_stop(self, exc: BaseException, drain: bool, timeout: float) -> None:
+        _closed_here.update(a.raw for a in self._addresses)
+        if drain:
+            deadline = time.monotonic() + timeout
+            while self._inflight and time.monotonic() < deadline:
+                time.sleep(0.001)
+        self._core.close()  # fails what is left with status "closed"
+        self._stop = True
+        self._completer.join()
+        with self._inflight_lock:
+            left = list(self._inflight.values())
+            self._inflight.clear()
+        for transfer in left:
+            self._stat_failed += 1
+            transfer._resolve(exc)
+
+    def _backend_release(self, exc: BaseException) -> None:
+        self._core.destroy()
