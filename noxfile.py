@@ -35,7 +35,10 @@ def _install(session: nox.Session, *groups: str, editable: bool = True) -> None:
 
 
 def _system_packages(session: nox.Session, *packages: str) -> None:
-    """Debian packages a session needs: installed when missing and we are root, else named."""
+    """Debian packages a session needs: installed when missing and we are root, else named.
+    Elsewhere than Debian/Ubuntu the build itself says what is missing."""
+    if not shutil.which("dpkg"):
+        return
     missing = [
         p for p in packages if subprocess.run(["dpkg", "-s", p], capture_output=True, check=False).returncode
     ]
