@@ -71,9 +71,13 @@ def test_info_json_lists_the_sim_backend_and_every_setting() -> None:
     assert sim["distribution"] == "fabric-sim" and sim["version"] not in (None, "unknown")
     assert sim["capabilities"]["backend"] == "sim" and sim["capabilities"]["num_nics"] == 2
     assert [d["provider"] for d in sim["topology"][0]["domains"]] == ["sim", "sim"]
-    for name in registry.AUTO_ORDER:  # not installed here: reported with the install hint
+    for name in registry.AUTO_ORDER:  # no NIC here: unavailable, with the reason
         entry = {b["name"]: b for b in doc["backends"]}[name]
-        assert not entry["available"] and "pip install" in entry["reason"]
+        assert not entry["available"]
+        if not entry["installed"]:
+            assert "pip install" in entry["reason"]
+        else:
+            assert "fi_getinfo found no RDM endpoint" in entry["reason"]
 
     settings = {s["name"]: s for s in doc["settings"]}
     assert set(settings) == set(FabricSettings.model_fields)
@@ -101,7 +105,7 @@ def test_info_text_names_backends_and_settings() -> None:
     result = run("info")
     assert result.exit_code == 0, result.output
     assert "sim: available" in result.output
-    assert "efa: not installed" in result.output
+    assert "verbs: not installed" in result.output
     for name in FabricSettings.model_fields:
         assert f"FABRIC_{name.upper()}=" in result.output
     env_only = run("info", "--env")

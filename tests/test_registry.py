@@ -106,7 +106,7 @@ def fake_entry_points(monkeypatch: pytest.MonkeyPatch, **backends: str) -> None:
 
 def test_sim_is_installed() -> None:
     assert installed_backends()["sim"] == "fabric_sim:SimBackend"
-    assert "efa" not in installed_backends() and "verbs" not in installed_backends()
+    assert "verbs" not in installed_backends()  # not written yet
 
 
 def test_load_sim() -> None:
@@ -176,7 +176,8 @@ def test_auto_without_rdma_backends() -> None:
     msg = str(exc)
     assert msg.startswith("fabric backend 'auto' is unavailable: no RDMA backend can run here")
     assert "backend='sim'" in msg and "FABRIC_BACKEND=sim" in msg
-    assert "fabric backend 'efa' is not installed" in msg
+    # efa is named whether it is missing or installed without a usable provider
+    assert "fabric backend 'efa' is not installed" in msg or "efa: fi_getinfo found no RDM endpoint" in msg
     assert "fabric backend 'verbs' is not installed" in msg
     with pytest.raises(BackendUnavailable, match="FABRIC_BACKEND=sim"):
         open_engine(backend="auto")
@@ -184,6 +185,8 @@ def test_auto_without_rdma_backends() -> None:
 
 @pytest.mark.parametrize("name", ["efa", "verbs"])
 def test_known_backend_not_installed(name: str) -> None:
+    if name in installed_backends():
+        pytest.skip(f"fabric-{name} is installed here")
     with pytest.raises(BackendNotInstalled) as info:
         load_backend(name)
     exc = info.value

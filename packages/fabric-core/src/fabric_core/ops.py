@@ -256,14 +256,15 @@ def _split(
     return nic[rep], target[rep], src[rep] + off, dst[rep] + off, ln
 
 
-def _shards(length: int, k: int) -> tuple[IntArray, IntArray]:
+def _shards(length: int, k: int) -> tuple[list[int], list[int]]:
+    """Offsets and lengths of the shard rule: at most ``k`` shards of
+    ``round_up(ceil(len / k), SHARD_ALIGN)`` bytes, never empty (zero bytes: one WR)."""
     if length == 0:
-        return np.zeros(1, _I64), np.zeros(1, _I64)
-    size = -(-length // k)
-    size = -(-size // SHARD_ALIGN) * SHARD_ALIGN
-    n = -(-length // size)
-    offs = np.arange(n, dtype=_I64) * size
-    return offs, np.minimum(size, length - offs)
+        return [0], [0]
+    per_nic = -(-length // k)
+    size = -(-per_nic // SHARD_ALIGN) * SHARD_ALIGN
+    offs = list(range(0, length, size))
+    return offs, [min(size, length - o) for o in offs]
 
 
 def plan_request(request: Request, num_nics: int, max_msg_size: int, rotation: int = 0) -> Plan:
@@ -316,34 +317,13 @@ def _plan_write(r: WriteRequest, n: int, max_msg: int, rot: int) -> Plan:
     if mode == "pin":
         offs, lens, nics = [0], [length], [k]
     else:
-        size = -(-length // k) if length else 0
-        size = -(-size // SHARD_ALIGN) * SHARD_ALIGN
-        count = -(-length // size) if length else 1
-        offs = [i * size for i in range(count)]
-        lens = [min(size, length - o) for o in offs]
-        nics = [(rot + i) % n for i in range(count)]
-    if max(lens) > max_msg:  # pieces: take the vectorised path
-        a_off = np.array(offs, _I64)
-        parts = (
-            np.array(nics, _I64),
-            np.zeros(len(offs), _I64),
-            so + a_off,
-            do + a_off,
-            np.array(lens, _I64),
-        )
-        return _finish(parts, imm, (dst,), max_msg)
+        offs, lens = _shards(length, k)
+        nics = [(rot + i) % n for i in range(len(offs))]
     a_off = np.array(offs, _I64)
-    count = len(offs)
-    return Plan(
-        np.array(nics, _I64),
-        np.zeros(count, _I64),
-        so + a_off,
-        do + a_off,
-        np.array(lens, _I64),
-        imm,
-        (dst,),
-        (0 if imm is None else count,),
-    )
+    parts = (np.array(nics, _I64), np.zeros(len(offs), _I64), so + a_off, do + a_off, np.array(lens, _I64))
+    if max(lens) > max_msg:  # pieces: the vectorised split
+        return _finish(parts, imm, (dst,), max_msg)
+    return Plan(*parts, imm, (dst,), (0 if imm is None else len(offs),))
 
 
 def _plan_paged(r: PagedWriteRequest, n: int, max_msg: int, rot: int) -> Plan:
@@ -403,7 +383,8 @@ def _plan_scatter(r: ScatterRequest, n: int, max_msg: int, rot: int) -> Plan:
         _span(so, length, src.length, f"targets[{j}] source")
         _span(do, length, dst.length, f"targets[{j}] destination")
         if mode == "shard":
-            offs, lens = _shards(length, k)
+            shard_offs, shard_lens = _shards(length, k)
+            offs, lens = np.array(shard_offs, _I64), np.array(shard_lens, _I64)
             nic = (rot + j + np.arange(offs.size, dtype=_I64)) % n
         else:
             offs, lens = np.zeros(1, _I64), np.array([length], _I64)

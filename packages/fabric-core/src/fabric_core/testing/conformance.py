@@ -10,7 +10,7 @@ import asyncio
 import gc
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -918,9 +918,3 @@ class TransferEngineConformance(
     LifecycleConformance,
 ):
     """The whole suite."""
-
-
-def _iter_tests() -> Iterator[str]:  # used by the docs check
-    for name in dir(TransferEngineConformance):
-        if name.startswith("test_"):
-            yield name

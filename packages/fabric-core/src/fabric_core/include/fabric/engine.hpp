@@ -119,7 +119,6 @@ struct EngineStats {
     uint64_t posted = 0;
     uint64_t completed_wrs = 0;
     uint64_t eagain = 0;
-    uint64_t polls = 0;
 };
 
 template <class Domain>
