@@ -23,6 +23,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "fabric_faults: needs a harness that can inject faults")
+    config.addinivalue_line(
+        "markers", "fabric_seeds(n): run these seed-parametrized tests over at most n seeds"
+    )
 
 
 def _seeds(config: pytest.Config) -> int:
@@ -37,4 +40,7 @@ def _seeds(config: pytest.Config) -> int:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "fabric_seed" in metafunc.fixturenames:
         n = _seeds(metafunc.config)
+        cap = metafunc.definition.get_closest_marker("fabric_seeds")
+        if cap is not None:
+            n = max(1, min(n, int(cap.args[0])))
         metafunc.parametrize("fabric_seed", range(n), ids=[f"seed{i}" for i in range(n)])

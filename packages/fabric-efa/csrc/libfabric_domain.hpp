@@ -129,9 +129,16 @@ class LibfabricDomain {
     bool local_mr() const { return (info_->domain_attr->mr_mode & FI_MR_LOCAL) != 0; }
 
     uint64_t insert_peer(const std::string& address) {
+        // Providers read their own address length from the buffer, whatever the caller holds:
+        // copy into a zero-padded buffer so that a short (foreign or forged) address is never
+        // read past its end. No provider's address comes close to kMaxAddress bytes.
+        constexpr size_t kMaxAddress = 512;
+        if (address.empty() || address.size() > kMaxAddress) throw LibfabricError("fi_av_insert", -FI_EINVAL);
+        char padded[kMaxAddress + 64] = {};
+        std::memcpy(padded, address.data(), address.size());
         fi_addr_t out = FI_ADDR_UNSPEC;
         std::lock_guard<std::mutex> lock(av_mu_);
-        int n = fi_av_insert(av_, address.data(), 1, &out, 0, nullptr);
+        int n = fi_av_insert(av_, padded, 1, &out, 0, nullptr);
         if (n != 1) throw LibfabricError("fi_av_insert", n < 0 ? n : -FI_EINVAL);
         return out;
     }

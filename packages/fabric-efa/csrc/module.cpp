@@ -150,6 +150,17 @@ class EfaEngine {
         engine_->submit(std::move(req));
     }
 
+    // Resolves a peer on the worker (which owns the address cache); completes like a transfer.
+    void check_peer(uint64_t id, py::bytes address) {
+        check_open();
+        auto req = std::make_unique<fabric::Request>();
+        req->id = id;
+        req->send_to = address;
+        req->resolve_only = true;
+        py::gil_scoped_release release;
+        engine_->submit(std::move(req));
+    }
+
     py::tuple wait_batch(double timeout_s) {
         fabric::Batch b;
         {
@@ -242,6 +253,7 @@ PYBIND11_MODULE(_efa, m) {
              py::arg("nic"), py::arg("target"), py::arg("src_off"), py::arg("dst_off"), py::arg("length"),
              py::arg("imm"), py::arg("targets"))
         .def("submit_send", &EfaEngine::submit_send, py::arg("id"), py::arg("address"), py::arg("payload"))
+        .def("check_peer", &EfaEngine::check_peer, py::arg("id"), py::arg("address"))
         .def("wait_batch", &EfaEngine::wait_batch, py::arg("timeout_s"))
         .def("stats", &EfaEngine::stats)
         .def("close", &EfaEngine::close)

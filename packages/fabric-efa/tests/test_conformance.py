@@ -1,5 +1,11 @@
 """The efa backend runs the conformance suite for real on libfabric's shm and tcp;ofi_rxm
-providers, with chaos mode (shuffled posting and completion order) on every seed."""
+providers, with chaos mode (shuffled posting and completion order) on every seed.
+
+``2proc``: every engine of a test lives in its own worker process (``RemoteHarness``), so each
+byte crosses from one process's endpoint to another's, as between two hosts. ``inproc``: the
+engines share this process, which also exercises the guard against writing to an endpoint
+closed in the same process.
+"""
 
 from __future__ import annotations
 
@@ -12,21 +18,26 @@ import pytest
 from fabric_core.api import TransferEngine
 from fabric_core.settings import load_settings
 from fabric_core.testing import Harness, TransferEngineConformance
+from fabric_core.testing.remote import RemoteHarness, WorkerPool
 
 os.environ.setdefault("FI_TCP_IFACE", "lo")  # never the first interface: loopback only
 
-PROVIDERS = ["shm", "tcp;ofi_rxm"]
+PROVIDERS = {"shm": "shm", "tcp": "tcp;ofi_rxm"}
+MAX_NICS = 4
 
 
 class EfaHarness(Harness):
     """Engines in this process, one endpoint per emulated NIC."""
 
-    max_nics = 4
+    max_nics = MAX_NICS
     reports_remote_access_errors = False  # shm and tcp;ofi_rxm leave such writes incomplete
 
     def __init__(self, provider: str, chaos_seed: int | None) -> None:
         super().__init__()
         self.provider, self.chaos_seed = provider, chaos_seed
+        # shm addresses name their process, so the engine knows an endpoint closed here; a
+        # tcp address is a port that any process may bind next, and tcp says nothing
+        self.detects_closed_peers = provider == "shm"
 
     def _open(self, nics: int, config: dict[str, Any]) -> TransferEngine:
         from fabric_efa.engine import EfaEngine
@@ -42,14 +53,35 @@ class EfaHarness(Harness):
         return EfaEngine(settings)
 
 
-@pytest.fixture(params=PROVIDERS, ids=["shm", "tcp"])
-def fabric_harness(request: pytest.FixtureRequest, fabric_seed: int) -> Iterator[EfaHarness]:
+@pytest.fixture(scope="session")
+def worker_pool() -> Iterator[WorkerPool]:
+    # four workers: the largest test (a scatter to three targets) puts each engine in its own
+    with WorkerPool(workers=4, arena_bytes=1 << 28) as pool:
+        yield pool
+
+
+@pytest.fixture(params=["shm-2proc", "tcp-2proc", "shm-inproc", "tcp-inproc"])
+def fabric_harness(request: pytest.FixtureRequest, fabric_seed: int) -> Iterator[Harness]:
     from fabric_efa import EfaBackend
 
-    probe = EfaBackend.probe(load_settings(efa_provider=request.param))
+    name, mode = request.param.split("-")
+    provider = PROVIDERS[name]
+    probe = EfaBackend.probe(load_settings(efa_provider=provider))
     if not probe.available:
         pytest.skip(probe.reason)
-    harness = EfaHarness(request.param, chaos_seed=fabric_seed)
+    harness: Harness
+    if mode == "2proc":
+        harness = RemoteHarness(
+            request.getfixturevalue("worker_pool"),
+            {"backend": "efa", "efa_provider": provider, "chaos_seed": fabric_seed, "timeout_s": 20},
+            max_nics=MAX_NICS,
+            reports_remote_access_errors=False,
+            # shm and tcp are silent about a peer closed in another process until the
+            # liveness protocol exists (the failure-contract issue)
+            detects_closed_peers=False,
+        )
+    else:
+        harness = EfaHarness(provider, chaos_seed=fabric_seed)
     yield harness
     harness.close()
 

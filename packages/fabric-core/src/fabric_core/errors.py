@@ -9,6 +9,7 @@ counter wait.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 __all__ = [
     "BackendNotInstalled",
@@ -25,8 +26,22 @@ __all__ = [
 ]
 
 
+def _rebuild(cls: type[FabricError], args: tuple[Any, ...], state: dict[str, Any]) -> FabricError:
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, *args)
+    exc.__dict__.update(state)
+    return exc
+
+
 class FabricError(Exception):
-    """Root of every error raised by fabric."""
+    """Root of every error raised by fabric.
+
+    Every fabric error pickles with its message and fields intact (errors cross process
+    boundaries: worker pools, multi-process harnesses, RPC layers).
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
 
 
 class BackendNotInstalled(FabricError, ImportError):

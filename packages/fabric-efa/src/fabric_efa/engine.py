@@ -31,9 +31,12 @@ __all__ = ["EfaEngine"]
 logger = logging.getLogger(__name__)
 
 _engines = itertools.count(1)
-# Endpoints closed in this process. Writing to one of them would touch freed provider state
-# (the shm provider crashes), so such writes fail with PeerUnreachable before posting. Peers
-# that die in other processes are the liveness protocol's to detect.
+# Endpoints closed in this process, per provider. Writing to one of them would touch freed
+# provider state (the shm provider crashes), so such writes fail with PeerUnreachable before
+# posting. Only providers whose addresses name their process are guarded: a tcp address is a
+# port, which another process may bind next, so a tcp address closed here says nothing about
+# who owns it now. Peers that die in other processes are the liveness protocol's to detect.
+_PROCESS_SCOPED = frozenset({"shm"})
 _closed_here: set[bytes] = set()
 _HEADER = struct.Struct("<B")  # length of the sender's address, then the address, then the data
 # Status codes of fabric/engine.hpp
@@ -66,7 +69,8 @@ class EfaEngine(EngineBase):
         max_msg = int(info["max_msg_size"]) or (1 << 30)
         max_msg = min(max_msg, 1 << 62, settings.max_msg_size or (1 << 62))
         addresses = [DomainAddress(raw=a) for a in self._core.addresses()]
-        _closed_here.difference_update(a.raw for a in addresses)  # a port can be reused
+        self._guarded = str(info["provider"]) in _PROCESS_SCOPED
+        _closed_here.difference_update(a.raw for a in addresses)  # an address can be reused
         self._inflight: dict[int, Transfer] = {}
         self._inflight_lock = threading.Lock()
         super().__init__(
@@ -131,7 +135,7 @@ class EfaEngine(EngineBase):
         self._core.deregister(token)
 
     def _gone(self, peer: bytes, transfer: Transfer) -> bool:
-        if peer not in _closed_here:
+        if not self._guarded or peer not in _closed_here:
             return False
         self._stat_failed += 1
         transfer._resolve(
@@ -169,11 +173,23 @@ class EfaEngine(EngineBase):
         self._core.submit_send(transfer.id, peer.raw, self._header + payload)
 
     def _backend_check_peer(self, peer: DomainAddress) -> None:
-        if len(peer.raw) != len(self.address.raw):
-            raise PeerUnreachable(f"{peer} is not an address of provider {self.provider_info['provider']}")
+        if self._guarded and peer.raw in _closed_here:
+            raise PeerUnreachable(f"peer {peer.raw.hex()} is closed", peer=peer.raw.hex())
+        transfer = Transfer((0,), default_timeout=self._timeout)
+        with self._inflight_lock:
+            self._inflight[transfer.id] = transfer
+        self._core.check_peer(transfer.id, peer.raw)
+        try:
+            transfer.wait()
+        except PeerUnreachable as exc:
+            raise PeerUnreachable(
+                f"{peer} is not reachable on provider {self.provider_info['provider']}: {exc}",
+                peer=peer.raw.hex(),
+            ) from None
 
     def _backend_stop(self, exc: BaseException, drain: bool, timeout: float) -> None:
-        _closed_here.update(a.raw for a in self._addresses)
+        if self._guarded:
+            _closed_here.update(a.raw for a in self._addresses)
         if drain:
             deadline = time.monotonic() + timeout
             while self._inflight and time.monotonic() < deadline:

@@ -9,6 +9,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
 from ..api import TransferEngine
 from ..errors import CapabilityError
 
@@ -29,6 +31,10 @@ class Harness(ABC):
     reports_remote_access_errors: bool = True
     """A write with a stale or forged key fails at the writer (some providers never report it:
     libfabric's shm and tcp leave such a write incomplete)."""
+    detects_closed_peers: bool = True
+    """A write to an engine that was closed fails with ``PeerUnreachable`` at the writer.
+    A transport can be silent about it (libfabric's tcp provider, or any provider across
+    processes); telling then needs a liveness protocol."""
 
     def __init__(self) -> None:
         self._engines: list[TransferEngine] = []
@@ -41,6 +47,11 @@ class Harness(ABC):
         engine = self._open(nics, config)
         self._engines.append(engine)
         return engine
+
+    def alloc(self, nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """Zeroed host bytes that the harness's engines can register (a harness whose engines
+        live in other processes hands out shared memory here)."""
+        return np.zeros(nbytes, dtype=np.uint8)
 
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:

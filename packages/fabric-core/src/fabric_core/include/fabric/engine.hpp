@@ -96,6 +96,7 @@ struct Request {
     std::string payload;
     void* payload_desc = nullptr;
     std::string send_to;
+    bool resolve_only = false;  // complete once send_to resolves on NIC 0 (peer groups)
     // progress
     size_t left = 0;
     int32_t status = kOk;
@@ -233,6 +234,14 @@ class Engine {
             any = true;
             Request* r = req.release();
             live_.emplace(r->id, std::unique_ptr<Request>(r));
+            if (r->resolve_only) {
+                uint64_t peer = 0;
+                bool ok = resolve(0, r->send_to, peer);
+                ready_.push_back(Completion{r->id, ok ? kOk : kPeerUnreachable,
+                                            ok ? std::string() : "the provider refused the peer's address"});
+                live_.erase(r->id);
+                continue;
+            }
             if (!r->send_to.empty()) {
                 r->left = 1;
                 inflight_++;
