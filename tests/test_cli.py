@@ -308,5 +308,13 @@ def test_size_parsing_and_formatting() -> None:
     for bad in ("", "0", "-1", "4X", "1.5M", "K"):
         with pytest.raises(ValueError):
             parse_size(bad)
-    shown = {8: "8 B", 4096: "4 KiB", 1536: "1.5 KiB", 64 << 20: "64 MiB", 2 << 30: "2 GiB"}
+    shown = {
+        8: "8 B",
+        4096: "4 KiB",
+        1536: "1.5 KiB",
+        64 << 20: "64 MiB",
+        2 << 30: "2 GiB",
+        1 << 62: "4 EiB",
+        3 << 40: "3 TiB",
+    }
     assert {n: format_size(n) for n in shown} == shown

@@ -89,6 +89,9 @@ class DomainInfo(BaseModel):
     numa_node: int | None = None
     pci_bus_id: str | None = None
     max_msg_size: Annotated[int, Field(gt=0)]
+    details: dict[str, str | int | bool] = Field(default_factory=dict)
+    """Provider limits and modes worth knowing (e.g. libfabric's inject size, queue depth,
+    memory-registration mode); free-form, for people and logs."""
 
 
 class TopologyGroup(BaseModel):

@@ -44,6 +44,34 @@ _STATUS: dict[int, type[TransportError]] = {1: PeerUnreachable, 2: RemoteAccessE
 _CLOSED = 4
 
 
+_MR_MODES = {
+    1 << 2: "local",
+    1 << 3: "raw",
+    1 << 4: "virt_addr",
+    1 << 5: "allocated",
+    1 << 6: "prov_key",
+    1 << 7: "mmu_notify",
+    1 << 8: "rma_event",
+    1 << 9: "endpoint",
+    1 << 10: "hmem",
+}
+
+
+def _details(info: dict[str, Any]) -> dict[str, str | int | bool]:
+    """The provider's limits as ``fabric info`` shows them."""
+    mode = int(info["mr_mode"])
+    major, minor = _efa.libfabric_version()
+    return {
+        "libfabric": f"{major}.{minor}",
+        "fabric": str(info["fabric"]),
+        "mr_mode": "|".join(name for bit, name in _MR_MODES.items() if mode & bit) or "basic",
+        "inject_bytes": int(info["inject_size"]),
+        "tx_depth": int(info["tx_size"]),
+        "cq_data_bytes": int(info["cq_data_size"]),
+        "cuda_memory": bool(info["hmem"]),
+    }
+
+
 class EfaEngine(EngineBase):
     """One domain group of ``settings.nics`` endpoints on ``settings.efa_provider``."""
 
@@ -84,7 +112,12 @@ class EfaEngine(EngineBase):
             ),
             addresses,
             [
-                DomainInfo(name=f"{info['domain']}#{i}", provider=str(info["provider"]), max_msg_size=max_msg)
+                DomainInfo(
+                    name=f"{info['domain']}#{i}",
+                    provider=str(info["provider"]),
+                    max_msg_size=max_msg,
+                    details=_details(info),
+                )
                 for i in range(nics)
             ],
             f"fabric-efa-cb-{next(_engines)}",

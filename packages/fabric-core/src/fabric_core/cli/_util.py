@@ -54,7 +54,14 @@ def parse_size(text: str) -> int:
 
 def format_size(n: int) -> str:
     """Bytes as the largest exact binary unit: ``8 B``, ``4 KiB``, ``64 MiB`` (``1.5 KiB`` if inexact)."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    for unit, scale in (
+        ("EiB", 1 << 60),
+        ("PiB", 1 << 50),
+        ("TiB", 1 << 40),
+        ("GiB", 1 << 30),
+        ("MiB", 1 << 20),
+        ("KiB", 1 << 10),
+    ):
         if n >= scale:
             return f"{n // scale} {unit}" if n % scale == 0 else f"{n / scale:.1f} {unit}"
     return f"{n} B"

@@ -16,9 +16,13 @@ import json
 import math
 import os
 import platform
+import selectors
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,11 +32,11 @@ import numpy as np
 
 from .. import registry
 from ..api import TransferEngine
-from ..counters import ImmCounter
-from ..errors import BackendNotInstalled, BackendUnavailable, ConfigError, FabricError
+from ..errors import BackendNotInstalled, BackendUnavailable, ConfigError, FabricError, PeerUnreachable
 from ..models import MemoryRegion
 from ..settings import FabricSettings, load_settings
 from ..transfer import Transfer
+from ._target import LocalTarget, RemoteTarget, Target, serve_target
 from ._util import (
     SimFabricLike,
     dist_version,
@@ -169,6 +173,7 @@ class BenchReport:
     quick: bool
     fixed_iters: int | None
     started: str
+    latency: str = "one-way"
     results: list[SizeResult] = field(default_factory=list)
     paged: PagedResult | None = None
     submit_cost_us: float = 0.0
@@ -188,6 +193,7 @@ class BenchReport:
             "iters": self.fixed_iters,
             "host": host_info(),
             "started": self.started,
+            "latency": self.latency,
             "duration_s": self.duration_s,
             "results": [r.to_json() for r in self.results],
             "paged": self.paged.to_json() if self.paged is not None else None,
@@ -216,12 +222,13 @@ def host_info() -> dict[str, Any]:
 
 @dataclass(slots=True)
 class EnginePair:
-    """A writer and a target engine; ``fabric`` is set when they run on a dedicated simulator."""
+    """A writer engine and the target it writes to (an engine here, or one in a bench server);
+    ``fabric`` is set when both run on a dedicated simulator."""
 
     backend: str
     backend_version: str
     writer: TransferEngine
-    target: TransferEngine
+    target: Target
     fabric: SimFabricLike | None = None
     link: str | None = None
 
@@ -244,29 +251,122 @@ def resolve_backend(name: str, settings: FabricSettings, notice: Callable[[str],
     return registry.select_backend(settings.model_copy(update={"backend": name})).name
 
 
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) as a (host, port) pair."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ConfigError(f"{text!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+SERVER_BANNER = "fabric bench server: listening on "
+
+
+def _launch_server(backend: str, nics: int | None, timeout: float) -> tuple[subprocess.Popen[str], str]:
+    """Start ``fabric bench --server`` as a child process on loopback; its endpoint."""
+    cmd = [sys.executable, "-m", "fabric_core.cli", "bench", "--server", "--listen", "127.0.0.1:0"]
+    cmd += ["--backend", backend, *([] if nics is None else ["--nics", str(nics)])]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not sel.select(max(0.0, deadline - time.monotonic())):
+                break
+            line = proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith(SERVER_BANNER):
+                return proc, line[len(SERVER_BANNER) :].split()[0]
+    proc.kill()
+    proc.wait()
+    raise BackendUnavailable(
+        backend, f"the bench server process did not start (exit status {proc.returncode})"
+    )
+
+
 @contextmanager
 def open_pair(
-    backend: str, *, nics: int | None, link: str | None, seed: int, settings: FabricSettings
+    backend: str,
+    *,
+    nics: int | None,
+    link: str | None,
+    seed: int,
+    settings: FabricSettings,
+    connect: str | None = None,
 ) -> Iterator[EnginePair]:
-    """Open writer and target engines; on ``sim`` both live on a fresh ``SimFabric``."""
+    """Open the writer and its target. On ``sim`` both engines live on a fresh ``SimFabric`` in
+    this process; on any other backend the target is a bench server: the one at ``connect``, or
+    else a child process started here (two processes, as on two hosts)."""
     engines: list[TransferEngine] = []
+    target: Target | None = None
+    server: subprocess.Popen[str] | None = None
     try:
         if backend == "sim":
             fabric = new_sim_fabric(seed, chunk_bytes=settings.sim_chunk_bytes, link=link)
             count = nics or settings.nics or 2
             for _ in range(2):
                 engines.append(fabric.open_engine(count))
-            pair = EnginePair("sim", dist_version("fabric-sim"), engines[0], engines[1], fabric, link)
+            target = LocalTarget(engines[1])
+            pair = EnginePair("sim", dist_version("fabric-sim"), engines[0], target, fabric, link)
         else:
             cls = registry.load_backend(backend)
-            overrides: dict[str, Any] = {} if nics is None else {"nics": nics}
-            for _ in range(2):
-                engines.append(registry.open_engine(backend, **overrides))
-            pair = EnginePair(backend, registry.backend_version(cls), engines[0], engines[1])
+            writer = registry.open_engine(backend, **({} if nics is None else {"nics": nics}))
+            engines.append(writer)
+            if connect is None:
+                server, connect = _launch_server(backend, writer.num_nics, max(60.0, settings.timeout_s))
+            host, port = parse_endpoint(connect)
+            try:
+                sock = socket.create_connection((host, port), timeout=30.0)
+            except OSError as exc:
+                raise PeerUnreachable(f"cannot reach the bench server at {connect}: {exc}") from None
+            target = RemoteTarget(writer, sock, settings.timeout_s)
+            theirs = target.hello
+            if theirs.get("backend") != backend or theirs.get("nics") != writer.num_nics:
+                raise ConfigError(
+                    f"the bench server runs {theirs.get('backend')} with {theirs.get('nics')} NICs, "
+                    f"this side {backend} with {writer.num_nics}: start both with the same --backend "
+                    "and --nics"
+                )
+            pair = EnginePair(backend, registry.backend_version(cls), writer, target)
         yield pair
     finally:
+        if target is not None:
+            with suppress(FabricError, OSError):
+                target.close()
         for engine in reversed(engines):
             engine.close(timeout=5.0)
+        if server is not None:
+            try:
+                server.wait(10.0)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+
+
+def run_server(
+    backend: str, nics: int | None, listen: str, timeout: float, echo: Callable[[str], None]
+) -> None:
+    """``fabric bench --server``: one engine, one client, then exit."""
+    host, port = parse_endpoint(listen)
+    cls = registry.load_backend(backend)
+    engine = registry.open_engine(backend, **({} if nics is None else {"nics": nics}))
+    try:
+        with socket.create_server((host, port)) as srv:
+            srv.settimeout(timeout)
+            bound = srv.getsockname()
+            echo(f"{SERVER_BANNER}{host}:{bound[1]} (backend {backend}, {engine.num_nics} NICs)")
+            try:
+                conn, peer = srv.accept()
+            except TimeoutError:
+                raise PeerUnreachable(f"no bench client connected within {timeout:g} s") from None
+        with conn, conn.makefile("rwb") as stream:
+            conn.settimeout(None)
+            serve_target(engine, stream, backend=backend, version=registry.backend_version(cls))
+        echo(f"fabric bench server: client {peer[0]}:{peer[1]} done")
+    finally:
+        engine.close(timeout=5.0)
 
 
 # --- measurement ----------------------------------------------------------------------------
@@ -289,9 +389,8 @@ class _Sweep:
         self.iters = iters
         self.timeout = timeout
         self.src = np.random.default_rng(seed).integers(0, 256, buf_bytes + PAGE_BYTES, dtype=np.uint8)
-        self.dst = np.zeros(buf_bytes + PAGE_BYTES, dtype=np.uint8)
         self.src_mr: MemoryRegion = self.writer.register(self.src)
-        self.dst_mr: MemoryRegion = self.target.register(self.dst)
+        self.desc = self.target.setup(buf_bytes + PAGE_BYTES)
         self.next_imm = IMM_BASE
         self.rate_wall = 0.0
         self.rate_wrs = 0
@@ -312,21 +411,22 @@ class _Sweep:
         fabric = self.pair.fabric
         return fabric.paused() if fabric is not None else nullcontext()
 
-    def check_drained(self, counter: ImmCounter, what: str) -> None:
-        extra = counter.value
+    def check_drained(self, imm: int, what: str) -> None:
+        extra = self.target.leftover(imm)
         if extra:
             raise BenchFailure(
-                f"{what}: the target counted {extra} more imm {counter.imm:#x} than imms_at_target promised"
+                f"{what}: the target counted {extra} more imm {imm:#x} than imms_at_target promised"
             )
 
-    def complete(self, transfers: Sequence[Transfer], counter: ImmCounter) -> None:
-        counter.wait(sum(t.imms_at_target for t in transfers), self.timeout)
+    def complete(self, transfers: Sequence[Transfer], imm: int) -> None:
+        self.target.counted(imm, sum(t.imms_at_target for t in transfers), self.timeout)
         for t in transfers:
             t.wait(self.timeout)
 
     # -- phases
-    def latency(self, submit: Callable[[], Transfer], counter: ImmCounter) -> tuple[list[float], list[float]]:
-        """Wall and (with a clock) virtual seconds of single submit → counter-wait round trips."""
+    def latency(self, submit: Callable[[], Transfer], imm: int) -> tuple[list[float], list[float]]:
+        """Wall and (with a clock) virtual seconds of single submit → counter-wait samples (round
+        trips on the fabric when the target is in a server: write, then an imm back)."""
         b, clock = self.budget, self.pair.clock
         wall: list[float] = []
         virt: list[float] = []
@@ -344,17 +444,17 @@ class _Sweep:
                 self.settle()
                 v0 = clock.now
             t0 = time.perf_counter()
-            transfer = submit()
-            counter.wait(transfer.imms_at_target, self.timeout)
+            transfer = self.target.ping(submit, imm, self.timeout)
             wall.append(time.perf_counter() - t0)
             transfer.wait(self.timeout)
             if clock is not None:
                 self.settle()
                 virt.append(clock.now - v0)
+        self.target.end_ping(imm)
         return wall, virt
 
     def rate(
-        self, submit: Callable[[], Transfer], counter: ImmCounter, window: int, *, baseline: bool = True
+        self, submit: Callable[[], Transfer], imm: int, window: int, *, baseline: bool = True
     ) -> tuple[int, float, float]:
         """Pipelined windows: (ops, wall seconds, virtual seconds or 0). With ``baseline`` the
         phase counts towards the simulator's work-requests-per-second figure."""
@@ -375,7 +475,7 @@ class _Sweep:
             v0 = clock.now if clock is not None else 0.0
             t0 = time.perf_counter()
             transfers = [submit() for _ in range(n)]
-            self.complete(transfers, counter)
+            self.complete(transfers, imm)
             wall += time.perf_counter() - t0
             if clock is not None:
                 self.settle()
@@ -394,43 +494,37 @@ class _Sweep:
     def verify_write(self, size: int, imm: int) -> int:
         """One write checked byte for byte (source offset and guard bytes included); its WR count."""
         src_off = 8 + (size % 4001)  # unaligned, so a misplaced copy cannot look right
-        self.dst[: size + GUARD] = 0
+        self.target.zero(size + GUARD)
         before = self.writer.stats().work_requests
-        transfer = self.writer.submit_write(self.src_mr, src_off, size, self.dst_mr.descriptor, 0, imm=imm)
-        self.complete([transfer], self.target.counter(imm))
-        expected = self.src[src_off : src_off + size]
-        bad = np.flatnonzero(self.dst[:size] != expected)
-        if bad.size:
-            raise BenchFailure(
-                f"data check failed for a {format_size(size)} write: {bad.size} of {size} bytes differ "
-                f"(first at offset {int(bad[0])})"
-            )
-        if np.any(self.dst[size : size + GUARD]):
+        transfer = self.writer.submit_write(self.src_mr, src_off, size, self.desc, 0, imm=imm)
+        self.complete([transfer], imm)
+        wrong = self.target.mismatch(0, self.src[src_off : src_off + size])
+        if wrong is not None:
+            raise BenchFailure(f"data check failed for a {format_size(size)} write: {wrong}")
+        if self.target.mismatch(size, np.zeros(GUARD, dtype=np.uint8)) is not None:
             raise BenchFailure(
                 f"data check failed for a {format_size(size)} write: bytes past its end changed"
             )
         return max(1, self.writer.stats().work_requests - before)
 
     def size(self, size: int) -> SizeResult:
-        desc = self.dst_mr.descriptor
+        desc = self.desc
         work_requests = self.verify_write(size, self.imm())
 
         lat_imm = self.imm()
-        lat_counter = self.target.counter(lat_imm)
         wall, virt = self.latency(
-            lambda: self.writer.submit_write(self.src_mr, 0, size, desc, 0, imm=lat_imm), lat_counter
+            lambda: self.writer.submit_write(self.src_mr, 0, size, desc, 0, imm=lat_imm), lat_imm
         )
-        self.check_drained(lat_counter, f"{format_size(size)} latency")
+        self.check_drained(lat_imm, f"{format_size(size)} latency")
 
         rate_imm = self.imm()
-        rate_counter = self.target.counter(rate_imm)
         window = self.budget.window(size)
         ops, rate_wall, rate_virt = self.rate(
             lambda: self.writer.submit_write(self.src_mr, 0, size, desc, 0, imm=rate_imm),
-            rate_counter,
+            rate_imm,
             window,
         )
-        self.check_drained(rate_counter, f"{format_size(size)} bandwidth")
+        self.check_drained(rate_imm, f"{format_size(size)} bandwidth")
 
         p50, p99 = _percentiles_us(wall)
         bytes_per_s = ops * size / rate_wall
@@ -456,7 +550,7 @@ class _Sweep:
         """256 pages of 4 KiB to a shuffled page list, one imm per page."""
         src_pages = np.arange(PAGES, dtype=np.int64)
         dst_pages = np.random.default_rng(self.next_imm).permutation(PAGES).astype(np.int64)
-        desc = self.dst_mr.descriptor
+        desc = self.desc
 
         def submit(imm: int) -> Transfer:
             return self.writer.submit_paged_write(
@@ -464,27 +558,21 @@ class _Sweep:
             )
 
         check_imm = self.imm()
-        self.dst[: PAGES * PAGE_BYTES] = 0
-        self.complete([submit(check_imm)], self.target.counter(check_imm))
-        landed = self.dst[: PAGES * PAGE_BYTES].reshape(PAGES, PAGE_BYTES)[dst_pages]
-        if not np.array_equal(landed, self.src[: PAGES * PAGE_BYTES].reshape(PAGES, PAGE_BYTES)):
+        self.target.zero(PAGES * PAGE_BYTES)
+        self.complete([submit(check_imm)], check_imm)
+        expected = np.empty((PAGES, PAGE_BYTES), dtype=np.uint8)
+        expected[dst_pages] = self.src[: PAGES * PAGE_BYTES].reshape(PAGES, PAGE_BYTES)
+        if self.target.mismatch(0, expected.reshape(-1)) is not None:
             raise BenchFailure("data check failed for the paged write: pages landed in the wrong place")
 
         lat_imm = self.imm()
-        lat_counter = self.target.counter(lat_imm)
-        wall, virt = self.latency(lambda: submit(lat_imm), lat_counter)
+        wall, virt = self.latency(lambda: submit(lat_imm), lat_imm)
         rate_imm = self.imm()
-        rate_counter = self.target.counter(rate_imm)
-        ops, rate_wall, rate_virt = self.rate(
-            lambda: submit(rate_imm), rate_counter, self.budget.paged_window
-        )
+        ops, rate_wall, rate_virt = self.rate(lambda: submit(rate_imm), rate_imm, self.budget.paged_window)
         cost_imm = self.imm()
-        cost_counter = self.target.counter(cost_imm)
-        costs = self.submit_costs(
-            lambda: submit(cost_imm), cost_counter, max(8, self.budget.submit_calls // 40)
-        )
-        for counter in (lat_counter, rate_counter, cost_counter):
-            self.check_drained(counter, "paged write")
+        costs = self.submit_costs(lambda: submit(cost_imm), cost_imm, max(8, self.budget.submit_calls // 40))
+        for imm in (lat_imm, rate_imm, cost_imm):
+            self.check_drained(imm, "paged write")
 
         p50, p99 = _percentiles_us(wall)
         result = PagedResult(
@@ -503,7 +591,7 @@ class _Sweep:
             result.sim_pages_per_s = ops * PAGES / rate_virt
         return result
 
-    def submit_costs(self, submit: Callable[[], Transfer], counter: ImmCounter, calls: int) -> list[float]:
+    def submit_costs(self, submit: Callable[[], Transfer], imm: int, calls: int) -> list[float]:
         """Seconds spent in each of ``calls`` submit calls alone. On the simulator delivery is
         paused meanwhile, so the progress thread does not compete for the GIL."""
         costs: list[float] = []
@@ -514,13 +602,12 @@ class _Sweep:
                     t0 = time.perf_counter()
                     transfers.append(submit())
                     costs.append(time.perf_counter() - t0)
-            self.complete(transfers, counter)
-        self.check_drained(counter, "submit cost")
+            self.complete(transfers, imm)
+        self.check_drained(imm, "submit cost")
         return costs
 
     def close(self) -> None:
         self.writer.deregister(self.src_mr)
-        self.target.deregister(self.dst_mr)
 
 
 def run_sweep(
@@ -546,14 +633,15 @@ def run_sweep(
         quick=quick,
         fixed_iters=iters,
         started=started.isoformat(timespec="seconds"),
+        latency="round-trip" if pair.target.round_trip else "one-way",
     )
     sweep = _Sweep(pair, max(max(sizes), PAGES * PAGE_BYTES), budget, iters, seed, timeout)
     try:
         cost_imm = sweep.imm()
-        desc = sweep.dst_mr.descriptor
+        desc = sweep.desc
         costs = sweep.submit_costs(
             lambda: pair.writer.submit_write(sweep.src_mr, 0, 8, desc, 0, imm=cost_imm),
-            pair.target.counter(cost_imm),
+            cost_imm,
             budget.submit_calls,
         )
         report.submit_cost_us = float(np.median(costs)) * 1e6
@@ -718,6 +806,25 @@ def _print_summary(report: BenchReport) -> None:
     help="Also write the results as one JSON document to this file.",
 )
 @click.option("--quick", is_flag=True, help="A sweep of a few seconds: fewer iterations and smaller windows.")
+@click.option(
+    "--server",
+    is_flag=True,
+    help="Run the target side only: open an engine, wait for one client on --listen, serve it, exit.",
+)
+@click.option(
+    "--listen",
+    metavar="HOST:PORT",
+    default="127.0.0.1:0",
+    show_default=True,
+    help="With --server: where to accept the client (0.0.0.0:PORT for other hosts; port 0 picks one).",
+)
+@click.option(
+    "--connect",
+    metavar="HOST:PORT",
+    default=None,
+    help="Run the writer side against the bench server at HOST:PORT (the address it printed).  "
+    "[default: start a server as a child process on this host]",
+)
 def bench(
     backend: str | None,
     nics: int | None,
@@ -729,13 +836,20 @@ def bench(
     seed: int | None,
     json_path: Path | None,
     quick: bool,
+    server: bool,
+    listen: str,
+    connect: str | None,
 ) -> None:
     """Measure point-to-point latency, bandwidth, ops/s and the paged-write rate.
 
-    Two engines in this process, a writer and a target. For every size: latency is one write
-    with an imm followed by the target's counter wait (median and p99); bandwidth and ops/s come
-    from windows of writes submitted back to back, then one wait for their total count. The first
-    write of every size is checked byte for byte, so a broken backend fails loudly.
+    A writer engine and a target engine. On the simulator both live in this process. On a real
+    backend the target runs in a bench server, a second process: started here on loopback by
+    default, or on another host with `--server --listen HOST:PORT` and reached with
+    `--connect HOST:PORT`. For every size: latency is one write with an imm followed by the
+    target's counter wait (median and p99; with a server, a round trip on the fabric: the server
+    writes an imm back); bandwidth and ops/s come from windows of writes submitted back to back,
+    then one wait for their total count. The first write of every size is checked byte for byte
+    (against a SHA-256 taken at the server), so a broken backend fails loudly.
 
     Wall-clock numbers are always reported. On the simulator with a link model, "sim" columns
     give the virtual clock: latency from post until both ends saw completion, bandwidth from
@@ -773,14 +887,37 @@ def bench(
         link_name = None
     run_seed = settings.sim_seed if seed is None else seed
     budget = QUICK_BUDGET if quick else DEFAULT_BUDGET
+    if server and connect is not None:
+        raise click.UsageError("--server and --connect name the two sides: give one of them")
+    if (server or connect is not None) and resolved == "sim":
+        raise click.UsageError(
+            "the simulator runs both engines in one process: --server/--connect need efa or verbs"
+        )
+    try:
+        if server:
+            run_server(resolved, nics, listen, max(60.0, 10 * settings.timeout_s), lambda t: click.echo(t))
+            return
+        if connect is not None:
+            parse_endpoint(connect)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--listen'" if server else "'--connect'") from None
+    except FabricError as exc:
+        raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
 
     try:
-        with open_pair(resolved, nics=nics, link=link_name, seed=run_seed, settings=settings) as pair:
+        with open_pair(
+            resolved, nics=nics, link=link_name, seed=run_seed, settings=settings, connect=connect
+        ) as pair:
             cols = _columns(pair.clock is not None)
+            where = (
+                "target in a bench server, latency is a round trip"
+                if pair.target.round_trip
+                else ("both engines in this process")
+            )
             click.echo(
                 f"fabric bench: backend {pair.backend} {pair.backend_version}, {pair.writer.num_nics} NICs, "
                 f"link {pair.link or 'none'}, seed {run_seed}, {'quick' if quick else 'full'} sweep "
-                f"of {len(chosen)} sizes"
+                f"of {len(chosen)} sizes ({where})"
             )
             click.echo(_row(cols, [c.header for c in cols]))
             click.echo(_row(cols, ["-" * c.width for c in cols]))

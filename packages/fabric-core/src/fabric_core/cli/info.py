@@ -177,6 +177,8 @@ def _echo_backend(b: dict[str, Any]) -> None:
                 f"        {d['name']}: provider {d['provider']}, {speed}, max message "
                 f"{format_size(d['max_msg_size'])}, NUMA {numa}, PCI {d['pci_bus_id'] or '-'}"
             )
+            if d.get("details"):
+                click.echo("          " + ", ".join(f"{k} {v}" for k, v in d["details"].items()))
     if b["topology_error"]:
         click.echo(f"      topology: detection failed: {b['topology_error']}")
 
