@@ -30,6 +30,8 @@ struct Registration {
     std::vector<uint64_t> keys;
 };
 
+constexpr py::ssize_t kReleaseGilOps = 256;
+
 using TargetSpec = std::tuple<std::vector<py::bytes>, std::vector<uint64_t>, uint64_t>;
 
 class EfaEngine {
@@ -126,7 +128,10 @@ class EfaEngine {
         auto ln = length.unchecked<1>();
         py::ssize_t count = n.shape(0);
         {
-            py::gil_scoped_release release;
+            // Releasing the GIL costs more than a short plan's work (and hands the GIL to the
+            // completion thread mid-call): release it only for large plans.
+            std::optional<py::gil_scoped_release> release;
+            if (count >= kReleaseGilOps) release.emplace();
             req->ops.resize(static_cast<size_t>(count));
             for (py::ssize_t i = 0; i < count; i++) {
                 fabric::OpCtx& op = req->ops[static_cast<size_t>(i)];

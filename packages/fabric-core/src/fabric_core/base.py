@@ -186,7 +186,8 @@ class EngineBase(TransferEngine):
         if not isinstance(region, MemoryRegion):
             raise ConfigError(f"expected a MemoryRegion, got {type(region).__name__}")
         reg = self._regs.get(region.handle)
-        if region._engine_id != id(self) or reg is None or reg.region is not region:
+        # this engine's table holds the very object it handed out: identity is the whole check
+        if reg is None or reg.region is not region:
             raise ConfigError(
                 "the MemoryRegion is not registered with this engine (deregistered, or another engine's)"
             )

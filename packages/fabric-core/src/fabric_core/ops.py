@@ -319,8 +319,9 @@ def _plan_write(r: WriteRequest, n: int, max_msg: int, rot: int) -> Plan:
     else:
         offs, lens = _shards(length, k)
         nics = [(rot + i) % n for i in range(len(offs))]
-    a_off = np.array(offs, _I64)
-    parts = (np.array(nics, _I64), np.zeros(len(offs), _I64), so + a_off, do + a_off, np.array(lens, _I64))
+    # one array for the five columns: a single allocation on the small-write hot path
+    rows = np.array([nics, [0] * len(offs), [so + o for o in offs], [do + o for o in offs], lens], _I64)
+    parts = (rows[0], rows[1], rows[2], rows[3], rows[4])
     if max(lens) > max_msg:  # pieces: the vectorised split
         return _finish(parts, imm, (dst,), max_msg)
     return Plan(*parts, imm, (dst,), (0 if imm is None else len(offs),))

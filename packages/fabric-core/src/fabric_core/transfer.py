@@ -79,6 +79,7 @@ class Transfer:
         "_callbacks",
         "_default_timeout",
         "_dispatch",
+        "_done",
         "_event",
         "_exc",
         "_lock",
@@ -96,7 +97,8 @@ class Transfer:
         self.id = next(_ids)
         self.imms_per_target = imms_per_target
         self._lock = threading.Lock()
-        self._event = threading.Event()
+        self._done = False
+        self._event: threading.Event | None = None  # made by the first waiter: most transfers have none
         self._exc: BaseException | None = None
         self._callbacks: list[tuple[DoneCallback | None, ErrorCallback | None]] = []
         self._dispatch = dispatcher
@@ -107,11 +109,19 @@ class Transfer:
         return sum(self.imms_per_target)
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._done
 
     def _wait_done(self, timeout: float | None) -> None:
+        if self._done:
+            return
+        with self._lock:
+            if self._done:
+                return
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
         limit = self._default_timeout if timeout is None else timeout
-        if not self._event.wait(None if math.isinf(limit) else limit):
+        if not event.wait(None if math.isinf(limit) else limit):
             raise TransferTimeout(f"transfer {self.id} not complete after {limit:g} s", transfer_id=self.id)
 
     def wait(self, timeout: float | None = None) -> None:
@@ -141,7 +151,7 @@ class Transfer:
 
     def _add(self, done: DoneCallback | None, error: ErrorCallback | None) -> None:
         with self._lock:
-            if not self._event.is_set():
+            if not self._done:
                 self._callbacks.append((done, error))
                 return
         self._run_callbacks([(done, error)])
@@ -162,11 +172,13 @@ class Transfer:
     def _resolve(self, exc: BaseException | None = None) -> bool:
         """Complete the transfer (backends only). Returns False if it was already complete."""
         with self._lock:
-            if self._event.is_set():
+            if self._done:
                 return False
             self._exc = exc
             callbacks, self._callbacks = self._callbacks, []
-            self._event.set()
+            self._done = True
+            if self._event is not None:
+                self._event.set()
         if callbacks:
             if self._dispatch is not None:
                 self._dispatch.submit(lambda: self._run_callbacks(callbacks))

@@ -19,7 +19,7 @@ from fabric_core.errors import (
     TransportError,
 )
 from fabric_core.memory import MemorySpan
-from fabric_core.models import Capabilities, DomainAddress, DomainInfo
+from fabric_core.models import Capabilities, DomainAddress, DomainInfo, MemoryRegionDescriptor
 from fabric_core.ops import Message, Plan
 from fabric_core.settings import FabricSettings
 from fabric_core.transfer import Transfer
@@ -100,6 +100,7 @@ class EfaEngine(EngineBase):
         self._guarded = str(info["provider"]) in _PROCESS_SCOPED
         _closed_here.difference_update(a.raw for a in addresses)  # an address can be reused
         self._inflight: dict[int, Transfer] = {}
+        self._specs: dict[int, tuple[MemoryRegionDescriptor, tuple[list[bytes], list[int], int]]] = {}
         self._inflight_lock = threading.Lock()
         super().__init__(
             settings,
@@ -179,10 +180,7 @@ class EfaEngine(EngineBase):
     def _backend_post(self, plan: Plan, transfer: Transfer, source: Registration | None) -> None:
         if any(self._gone(desc.peer.raw, transfer) for desc in plan.targets):
             return
-        targets = [
-            ([nic.address.raw for nic in desc.nics], [nic.rkey for nic in desc.nics], desc.ptr)
-            for desc in plan.targets
-        ]
+        targets = [self._target_spec(desc) for desc in plan.targets]
         with self._inflight_lock:
             self._inflight[transfer.id] = transfer
         self._core.submit_write(
@@ -197,6 +195,18 @@ class EfaEngine(EngineBase):
             -1 if plan.imm is None else plan.imm,
             targets,
         )
+
+    def _target_spec(self, desc: MemoryRegionDescriptor) -> tuple[list[bytes], list[int], int]:
+        """The C++ core's view of a descriptor, cached per descriptor object (a writer sends
+        many requests to the same few descriptors)."""
+        hit = self._specs.get(id(desc))
+        if hit is not None and hit[0] is desc:
+            return hit[1]
+        spec = ([nic.address.raw for nic in desc.nics], [nic.rkey for nic in desc.nics], desc.ptr)
+        if len(self._specs) >= 4096:
+            self._specs.clear()
+        self._specs[id(desc)] = (desc, spec)
+        return spec
 
     def _backend_send(self, peer: DomainAddress, payload: bytes, transfer: Transfer) -> None:
         if self._gone(peer.raw, transfer):
