@@ -196,6 +196,27 @@ def ceiling(session: nox.Session) -> None:
             )
 
 
+@nox.session(name="efa-bench")
+def efa_bench(session: nox.Session) -> None:
+    """fabric-efa against the raw-libfabric ceiling, alternating, 3 repetitions per provider;
+    JSON and plot to benchmarks/results (efa-vs-ceiling.*)."""
+    _install(session, editable=False)
+    _system_packages(session, "libfabric-dev", "gcc", "g++", "cmake", "pkg-config")
+    session.install(*CONSTRAINTS, "pybind11", "scikit-build-core", "matplotlib")
+    session.install(*CONSTRAINTS, "--no-build-isolation", "./packages/fabric-efa")
+    build = Path(session.create_tmp()) / "fi_ceiling"
+    session.run(
+        "cc", "-O2", "-Wall", "-o", str(build), "benchmarks/ceiling/fi_ceiling.c", "-lfabric", external=True
+    )
+    session.run(
+        "python",
+        "benchmarks/efa_vs_ceiling.py",
+        str(build),
+        str(ROOT / "benchmarks" / "results"),
+        *session.posargs,
+    )
+
+
 @nox.session
 def soak(session: nox.Session) -> None:
     """The conformance suite over many more seeds (FABRIC_SOAK_SEEDS, default 200)."""
