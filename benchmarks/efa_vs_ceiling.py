@@ -104,12 +104,13 @@ def main() -> int:
     _plot(report, args.out / "efa-vs-ceiling.png")
     for tag, p in report["providers"].items():
         for r in p["rows"]:
-            print(
+            sys.stdout.write(
                 f"{tag:4} {r['size']:>9} B  fabric {r['fabric_gbytes_per_s']:7.3f} GB/s  "
-                f"ceiling {r['ceiling_gbytes_per_s']:7.3f} GB/s  ratio {r['ratio']:.2f}"
+                f"ceiling {r['ceiling_gbytes_per_s']:7.3f} GB/s  ratio {r['ratio']:.2f}\n"
             )
-        print(
-            f"{tag:4} paged {p['paged_pages_per_s']:.0f} pages/s, ratio {p['paged_ratio']:.2f} of 4 KiB writes/s"
+        sys.stdout.write(
+            f"{tag:4} paged {p['paged_pages_per_s']:.0f} pages/s, "
+            f"ratio {p['paged_ratio']:.2f} of 4 KiB writes/s\n"
         )
     return 0
 
