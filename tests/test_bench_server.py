@@ -15,11 +15,10 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import fabric_sim
-from fabric_core import WriteRequest
 from fabric_core.cli import main
 from fabric_core.cli._target import RemoteTarget, serve_target
 from fabric_core.cli.bench import (
@@ -76,15 +75,8 @@ def test_sweep_through_a_server_checks_bytes_and_measures_round_trips(served: Se
     assert report.paged is not None and report.paged.pages_per_s > 0
 
 
-def test_wrong_bytes_at_the_server_fail_the_sweep(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
-    original = fabric_sim.SimEngine.submit
-
-    def off_by_one(self: fabric_sim.SimEngine, request: Any) -> Any:
-        if isinstance(request, WriteRequest):
-            request = dataclasses.replace(request, dst_offset=request.dst_offset + 1)
-        return original(self, request)
-
-    monkeypatch.setattr(fabric_sim.SimEngine, "submit", off_by_one)
+@pytest.mark.usefixtures("misplaced_writes")
+def test_wrong_bytes_at_the_server_fail_the_sweep(served: Served) -> None:
     pair = EnginePair("sim", "test", served.target.writer, served.target)
     with pytest.raises(BenchFailure, match="SHA-256 mismatch"):
         run_sweep(pair, [4096], budget=QUICK_BUDGET, timeout=T)
@@ -110,14 +102,18 @@ def test_echo_round_trips_and_stops(served: Served) -> None:
     target = served.target
     desc = target.setup(4096)
     writer = target.writer
-    src = writer.register(bytearray(64))
+    data = np.arange(1, 65, dtype=np.uint8)
+    src = writer.register(data)
     for _ in range(5):
         t = target.ping(lambda: writer.submit_write(src, 0, 64, desc, 0, imm=77), 77, T)
         t.wait(T)
     target.end_ping(77)
     target.end_ping(77)  # idempotent
-    assert target.leftover(77) == 0
-    assert target.mismatch(0, __import__("numpy").zeros(64, dtype="uint8")) is None
+    assert target.leftover(77) == 0  # the echo consumed exactly one count per round
+    assert target.mismatch(0, data) is None  # the bytes landed at the server
+    assert target.mismatch(0, np.zeros(64, dtype=np.uint8)) is not None
+    target.zero(64)
+    assert target.mismatch(0, np.zeros(64, dtype=np.uint8)) is None
 
 
 def test_a_vanished_server_is_peer_unreachable() -> None:

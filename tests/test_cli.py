@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import logging
@@ -16,8 +15,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-import fabric_sim
-from fabric_core import FabricSettings, WriteRequest, registry
+from fabric_core import FabricSettings, registry
 from fabric_core.cli import main
 from fabric_core.cli._util import format_size, parse_size
 from fabric_core.cli.bench import DEFAULT_SIZES
@@ -223,15 +221,8 @@ def test_bench_auto_falls_back_to_the_simulator_with_a_notice() -> None:
     assert "backend sim" in result.stdout
 
 
-def test_bench_fails_loudly_when_bytes_land_in_the_wrong_place(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = fabric_sim.SimEngine.submit
-
-    def off_by_one(self: fabric_sim.SimEngine, request: Any) -> Any:
-        if isinstance(request, WriteRequest):
-            request = dataclasses.replace(request, dst_offset=request.dst_offset + 1)
-        return original(self, request)
-
-    monkeypatch.setattr(fabric_sim.SimEngine, "submit", off_by_one)
+@pytest.mark.usefixtures("misplaced_writes")
+def test_bench_fails_loudly_when_bytes_land_in_the_wrong_place() -> None:
     result = run("bench", "--backend", "sim", "--quick", "--sizes", "4K")
     assert result.exit_code == 1
     assert "data check failed for a 4 KiB write" in result.output

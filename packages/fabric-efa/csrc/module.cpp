@@ -145,26 +145,10 @@ class EfaEngine {
         }
     }
 
-    void submit_send(uint64_t id, py::bytes address, py::bytes payload) {
-        check_open();
-        auto req = std::make_unique<fabric::Request>();
-        req->id = id;
-        req->send_to = address;
-        req->payload = payload;
-        py::gil_scoped_release release;
-        engine_->submit(std::move(req));
-    }
+    void submit_send(uint64_t id, py::bytes address, py::bytes payload) { submit_to(id, address, payload, false); }
 
     // Resolves a peer on the worker (which owns the address cache); completes like a transfer.
-    void check_peer(uint64_t id, py::bytes address) {
-        check_open();
-        auto req = std::make_unique<fabric::Request>();
-        req->id = id;
-        req->send_to = address;
-        req->resolve_only = true;
-        py::gil_scoped_release release;
-        engine_->submit(std::move(req));
-    }
+    void check_peer(uint64_t id, py::bytes address) { submit_to(id, address, py::bytes(), true); }
 
     py::tuple wait_batch(double timeout_s) {
         fabric::Batch b;
@@ -208,6 +192,18 @@ class EfaEngine {
     }
 
   private:
+    // A request naming one peer (a control message, or a resolution). The push is O(1) and
+    // lock-free, so the GIL stays held (releasing it costs more than the push).
+    void submit_to(uint64_t id, const py::bytes& address, const py::bytes& payload, bool resolve_only) {
+        check_open();
+        auto req = std::make_unique<fabric::Request>();
+        req->id = id;
+        req->send_to = address;
+        req->payload = payload;
+        req->resolve_only = resolve_only;
+        engine_->submit(std::move(req));
+    }
+
     void check_open() const {
         if (closed_) throw std::runtime_error("engine is closed");
     }

@@ -4,10 +4,12 @@ client and server are two processes, launched by one command or by hand with ``-
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -82,29 +84,24 @@ def test_bench_runs_client_and_server_as_two_processes(provider: str, tmp_path: 
     assert report["paged"]["pages_per_s"] > 0
 
 
+@contextlib.contextmanager
+def _server(env: dict[str, str], *args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """``fabric bench --server`` in a child process; it and the endpoint from its banner."""
+    cmd = [sys.executable, "-m", "fabric_core.cli", "bench", "--backend", "efa", "--server", *args]
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True) as server:
+        try:
+            assert server.stdout is not None
+            banner = server.stdout.readline()
+            assert banner.startswith("fabric bench server: listening on 127.0.0.1:"), banner
+            yield server, banner.split()[5]
+        finally:
+            if server.poll() is None:
+                server.kill()
+
+
 def test_bench_server_and_connect_by_hand(provider: str, tmp_path: Path) -> None:
     env = _env(provider)
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "fabric_core.cli",
-            "bench",
-            "--backend",
-            "efa",
-            "--server",
-            "--listen",
-            "127.0.0.1:0",
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert server.stdout is not None
-        banner = server.stdout.readline()
-        assert banner.startswith("fabric bench server: listening on 127.0.0.1:"), banner
-        endpoint = banner.split()[5]
+    with _server(env, "--listen", "127.0.0.1:0") as (server, endpoint):
         out = tmp_path / "b.json"
         done = _fabric(
             "bench",
@@ -122,36 +119,16 @@ def test_bench_server_and_connect_by_hand(provider: str, tmp_path: Path) -> None
         assert done.returncode == 0, done.stdout + done.stderr
         assert json.loads(out.read_text())["results"][0]["ops"] > 0
         assert server.wait(30) == 0
-        assert "done" in server.stdout.read()
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
-        assert server.stdout is not None
-        server.stdout.close()
+        assert server.stdout is not None and "done" in server.stdout.read()
 
 
 def test_bench_refuses_a_server_with_another_nic_count(provider: str) -> None:
     env = _env(provider)
-    server = subprocess.Popen(
-        [sys.executable, "-m", "fabric_core.cli", "bench", "--backend", "efa", "--server", "--nics", "2"],
-        env=env,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert server.stdout is not None
-        endpoint = server.stdout.readline().split()[5]
+    with _server(env, "--nics", "2") as (server, endpoint):
         done = _fabric("bench", "--backend", "efa", "--nics", "1", "--connect", endpoint, "--quick", env=env)
         assert done.returncode == 1
         assert "start both with the same --backend and --nics" in done.stderr
         server.wait(30)
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
-        assert server.stdout is not None
-        server.stdout.close()
 
 
 def test_connect_to_nobody_is_a_clear_error(provider: str) -> None:

@@ -89,6 +89,11 @@ class TransferEngine(ABC):
         """The NICs of this engine's group, in NIC-index order."""
 
     @property
+    def addresses(self) -> tuple[DomainAddress, ...]:
+        """Every NIC's address, in NIC order (``address`` is the first)."""
+        return (self.address,)
+
+    @property
     def num_nics(self) -> int:
         return self.capabilities.num_nics
 

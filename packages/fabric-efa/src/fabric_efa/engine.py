@@ -97,6 +97,7 @@ class EfaEngine(EngineBase):
         max_msg = int(info["max_msg_size"]) or (1 << 30)
         max_msg = min(max_msg, 1 << 62, settings.max_msg_size or (1 << 62))
         addresses = [DomainAddress(raw=a) for a in self._core.addresses()]
+        details = _details(info)
         self._guarded = str(info["provider"]) in _PROCESS_SCOPED
         _closed_here.difference_update(a.raw for a in addresses)  # an address can be reused
         self._inflight: dict[int, Transfer] = {}
@@ -117,7 +118,7 @@ class EfaEngine(EngineBase):
                     name=f"{info['domain']}#{i}",
                     provider=str(info["provider"]),
                     max_msg_size=max_msg,
-                    details=_details(info),
+                    details=details,
                 )
                 for i in range(nics)
             ],
@@ -169,7 +170,8 @@ class EfaEngine(EngineBase):
         self._core.deregister(token)
 
     def _gone(self, peer: bytes, transfer: Transfer) -> bool:
-        if not self._guarded or peer not in _closed_here:
+        """Fail ``transfer`` if ``peer`` is an endpoint closed in this process (guarded providers)."""
+        if peer not in _closed_here:
             return False
         self._stat_failed += 1
         transfer._resolve(
@@ -178,7 +180,7 @@ class EfaEngine(EngineBase):
         return True
 
     def _backend_post(self, plan: Plan, transfer: Transfer, source: Registration | None) -> None:
-        if any(self._gone(desc.peer.raw, transfer) for desc in plan.targets):
+        if self._guarded and any(self._gone(desc.peer.raw, transfer) for desc in plan.targets):
             return
         targets = [self._target_spec(desc) for desc in plan.targets]
         with self._inflight_lock:
@@ -209,7 +211,7 @@ class EfaEngine(EngineBase):
         return spec
 
     def _backend_send(self, peer: DomainAddress, payload: bytes, transfer: Transfer) -> None:
-        if self._gone(peer.raw, transfer):
+        if self._guarded and self._gone(peer.raw, transfer):
             return
         with self._inflight_lock:
             self._inflight[transfer.id] = transfer

@@ -33,6 +33,15 @@ from .remote import dump_error
 _BLOCKING = frozenset({"counter_wait", "recv", "close"})
 
 
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, worker: _Worker) -> None:
+        super().__init__(file)
+        self._worker = worker
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self._worker.resolve(pid)
+
+
 class _Worker:
     def __init__(self, conn: Connection, arena: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
         self.conn, self.arena = conn, arena
@@ -53,26 +62,24 @@ class _Worker:
                 pass  # the parent is gone; the read loop ends too
 
     def loads(self, data: bytes) -> Any:
-        worker = self
+        return _Unpickler(io.BytesIO(data), self).load()
 
-        class _Unpickler(pickle.Unpickler):
-            def persistent_load(self, pid: Any) -> Any:
-                kind, handle, extra = pid
-                if kind == "mr":
-                    known = worker.regions.get(handle)
-                    if known is not None:
-                        return known[1]
-                    # a region no engine here registered: an equal-looking stand-in, which
-                    # every engine refuses as "not registered with this engine"
-                    return MemoryRegion.model_validate({**extra, "handle": next(worker.stand_ins)})
-                if kind == "group":
-                    group = worker.groups.get(handle)
-                    if group is not None:
-                        return group[1]
-                    return PeerGroup(next(worker.stand_ins), (), frozenset(extra))
-                raise pickle.UnpicklingError(f"unknown reference {kind!r}")
-
-        return _Unpickler(io.BytesIO(data)).load()
+    def resolve(self, pid: Any) -> Any:
+        """The object a reference from the parent names (see ``remote._Pickler``)."""
+        kind, handle, extra = pid
+        if kind == "mr":
+            known = self.regions.get(handle)
+            if known is not None:
+                return known[1]
+            # a region no engine here registered: an equal-looking stand-in, which every
+            # engine refuses as "not registered with this engine"
+            return MemoryRegion.model_validate({**extra, "handle": next(self.stand_ins)})
+        if kind == "group":
+            group = self.groups.get(handle)
+            if group is not None:
+                return group[1]
+            return PeerGroup(next(self.stand_ins), (), frozenset(extra))
+        raise pickle.UnpicklingError(f"unknown reference {kind!r}")
 
     def serve(self) -> None:
         while True:
@@ -111,8 +118,7 @@ class _Worker:
     def m_open(self, eid: int, config: dict[str, Any]) -> tuple[Any, ...]:
         engine = open_engine(**config)
         self.engines[eid] = engine
-        addresses = getattr(engine, "addresses", (engine.address,))
-        return tuple(addresses), engine.capabilities, engine.domains
+        return engine.addresses, engine.capabilities, engine.domains
 
     def m_forget(self, eid: int) -> None:
         engine = self.engines.pop(eid, None)

@@ -19,6 +19,7 @@ whose engines reach each other across processes (efa, verbs) runs its suite thro
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import io
@@ -315,15 +316,11 @@ class _RemoteCounter(ImmCounter):
         return int(self._engine._call("counter_value", self.imm))
 
     def wait(self, n: int = 1, timeout: float | None = None, *, peer: DomainAddress | None = None) -> None:
-        limit = self._engine._timeout if timeout is None else timeout
-        bound = None if math.isinf(limit) else max(limit, 0) + _RPC_SLACK
-        self._engine._call("counter_wait", self.imm, n, timeout, peer, limit=bound)
+        self._engine._call("counter_wait", self.imm, n, timeout, peer, limit=self._engine._bound(timeout))
 
     async def wait_async(
         self, n: int = 1, timeout: float | None = None, *, peer: DomainAddress | None = None
     ) -> None:
-        import asyncio
-
         await asyncio.to_thread(self.wait, n, timeout, peer=peer)
 
     def expect(
@@ -378,6 +375,11 @@ class RemoteEngine(TransferEngine):
 
     def _call(self, method: str, *args: Any, limit: float | None = _RPC_DEFAULT) -> Any:
         return self._worker.call(self._eid, method, *args, limit=limit)
+
+    def _bound(self, timeout: float | None) -> float | None:
+        """How long to await the reply of a call that itself waits up to ``timeout``."""
+        limit = self._timeout if timeout is None else timeout
+        return None if math.isinf(limit) else max(limit, 0) + _RPC_SLACK
 
     def _check_open(self) -> None:
         if self._closed:
@@ -477,9 +479,7 @@ class RemoteEngine(TransferEngine):
 
     def recv(self, timeout: float | None = None) -> Message:
         self._check_open()
-        limit = self._timeout if timeout is None else timeout
-        bound = None if math.isinf(limit) else max(limit, 0) + _RPC_SLACK
-        message: Message = self._call("recv", timeout, limit=bound)
+        message: Message = self._call("recv", timeout, limit=self._bound(timeout))
         return message
 
     # lifecycle ---------------------------------------------------------------------------
@@ -487,9 +487,8 @@ class RemoteEngine(TransferEngine):
         if self._closed:
             return
         self._closed = True
-        limit = self._timeout if timeout is None else timeout
         try:
-            self._call("close", timeout, limit=limit + _RPC_SLACK)
+            self._call("close", timeout, limit=self._bound(timeout))
         except WorkerDied:
             pass
         finally:
