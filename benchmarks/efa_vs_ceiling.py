@@ -1,11 +1,16 @@
-"""fabric-efa against the raw-libfabric ceiling, side by side in one run, as ratios.
+"""fabric-efa against the raw-libfabric ceiling (and the peers), side by side in one run, as ratios.
 
 Usage: python benchmarks/efa_vs_ceiling.py CEILING_BINARY OUT_DIR [--reps N] [--providers shm,tcp]
+                                           [--peers-python /tmp/peers/bin/python]
 
-For each provider, alternating ``--reps`` times: the ceiling program (fi_ceiling.c: fi_writedata
-in a window of 64, CQ polling, no engine) and ``fabric bench --backend efa`` (writer here,
-target in a bench-server process) on the same sizes. Medians over the repetitions; ratios are
-fabric / ceiling. Writes ``efa-vs-ceiling.json`` and ``efa-vs-ceiling.png`` to OUT_DIR.
+For each provider, alternating ``--reps`` times: the ceiling program (fi_ceiling.c: writes with
+remote CQ data in a window of 64, CQ polling, no engine) twice, with the provider's own completion
+semantics and with ``-d`` (FI_DELIVERY_COMPLETE, what a fabric Transfer promises: its bytes are
+in place when it completes), then ``fabric bench --backend efa`` (writer here, target in a
+bench-server process) on the same sizes. With ``--peers-python``, the peer benchmarks of
+``benchmarks/peers/`` run in that (separate) environment in the same repetitions. Medians over
+the repetitions; ratios are fabric / ceiling. Writes ``efa-vs-ceiling.json`` and
+``efa-vs-ceiling.png`` to OUT_DIR.
 """
 
 from __future__ import annotations
@@ -22,22 +27,22 @@ from typing import Any
 
 SIZES = [4096, 65536, 1 << 20, 16 << 20]
 PROVIDERS = {"shm": "shm", "tcp": "tcp;ofi_rxm"}
+PEERS = Path(__file__).parent / "peers"
+PEER_SCRIPTS = ["mooncake_loopback.py", "nixl_loopback.py"]
 
 
-def _ceiling(binary: str, provider: str) -> dict[str, Any]:
+def _lines(cmd: list[str], env: dict[str, str]) -> list[dict[str, Any]]:
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, timeout=900).stdout
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def _ceiling(binary: str, provider: str, delivery: bool) -> dict[str, Any]:
     sizes = ",".join(str(s) for s in SIZES)
-    out = subprocess.run(
-        [binary, "-p", provider, "-s", sizes, "-r", "3"],
-        env={**os.environ, "FI_TCP_IFACE": "lo"},
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=600,
-    ).stdout
-    rows = [json.loads(line) for line in out.splitlines() if line.strip()]
+    cmd = [binary, "-p", provider, "-s", sizes, "-r", "3", *(["-d"] if delivery else [])]
+    rows = _lines(cmd, {**os.environ, "FI_TCP_IFACE": "lo"})
     bw = {r["size"]: r for r in rows if r["kind"] == "bandwidth"}
-    lat = [r for r in rows if r["kind"] != "bandwidth"]
-    return {"bandwidth": bw, "latency": lat}
+    rtt = [r["rtt_us_p50"] for r in rows if r["kind"] == "imm_round_trip"]
+    return {"bandwidth": bw, "rtt_us_p50": rtt[0] if rtt else None}
 
 
 def _fabric(provider: str, tmp: Path) -> dict[str, Any]:
@@ -51,67 +56,106 @@ def _fabric(provider: str, tmp: Path) -> dict[str, Any]:
     return result
 
 
+def _peers(python: str) -> list[dict[str, Any]]:
+    """Rows of every peer benchmark that runs here (a peer that fails is reported, not fatal)."""
+    rows: list[dict[str, Any]] = []
+    for script in PEER_SCRIPTS:
+        try:
+            rows += _lines([python, str(PEERS / script), "--reps", "1"], dict(os.environ))
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+            sys.stderr.write(f"peer benchmark {script} failed: {exc}\n")
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("ceiling")
     ap.add_argument("out", type=Path)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--providers", default="shm,tcp")
+    ap.add_argument("--peers-python", help="python of the environment the peers are installed in")
     args = ap.parse_args()
-    report: dict[str, Any] = {"sizes": SIZES, "reps": args.reps, "providers": {}}
+    med = statistics.median
+    report: dict[str, Any] = {"sizes": SIZES, "reps": args.reps, "providers": {}, "peers": {}}
+    peer_runs: dict[tuple[str, int], list[float]] = {}
+    peer_meta: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for tag in args.providers.split(","):
             provider = PROVIDERS[tag]
-            ceil_bw: dict[int, list[float]] = {s: [] for s in SIZES}
-            ceil_wps: dict[int, list[float]] = {s: [] for s in SIZES}
-            fab_bw: dict[int, list[float]] = {s: [] for s in SIZES}
-            fab_rtt: dict[int, list[float]] = {s: [] for s in SIZES}
+            runs: dict[str, dict[int, list[float]]] = {
+                k: {s: [] for s in SIZES} for k in ("ceil", "ceil_dc", "fabric", "fabric_rtt", "ceil_wps")
+            }
+            rtt: dict[str, list[float]] = {"ceil": [], "ceil_dc": []}
             paged: list[float] = []
             submit: list[float] = []
             for _ in range(args.reps):
-                c = _ceiling(args.ceiling, provider)
+                for key, delivery in (("ceil", False), ("ceil_dc", True)):
+                    c = _ceiling(args.ceiling, provider, delivery)
+                    for s in SIZES:
+                        runs[key][s].append(c["bandwidth"][s]["gbytes_per_s"])
+                        if not delivery:
+                            runs["ceil_wps"][s].append(c["bandwidth"][s]["mwrites_per_s"] * 1e6)
+                    if c["rtt_us_p50"] is not None:
+                        rtt[key].append(c["rtt_us_p50"])
                 f = _fabric(provider, Path(tmp))
-                for s in SIZES:
-                    ceil_bw[s].append(c["bandwidth"][s]["gbytes_per_s"])
-                    ceil_wps[s].append(c["bandwidth"][s]["mwrites_per_s"] * 1e6)
                 for r in f["results"]:
-                    fab_bw[r["size"]].append(r["bandwidth_gbytes_per_s"])
-                    fab_rtt[r["size"]].append(r["latency_us_p50"])
+                    runs["fabric"][r["size"]].append(r["bandwidth_gbytes_per_s"])
+                    runs["fabric_rtt"][r["size"]].append(r["latency_us_p50"])
                 paged.append(f["paged"]["pages_per_s"])
                 submit.append(f["submit_cost_us"])
-            med = statistics.median
+                if args.peers_python and tag == "tcp":  # the peers run over TCP on loopback
+                    for row in _peers(args.peers_python):
+                        peer_runs.setdefault((row["peer"], row["size"]), []).append(row["gbytes_per_s"])
+                        peer_meta[row["peer"]] = {k: row[k] for k in ("version", "transport") if k in row}
             rows = []
             for s in SIZES:
+                fab = med(runs["fabric"][s])
                 rows.append(
                     {
                         "size": s,
-                        "ceiling_gbytes_per_s": med(ceil_bw[s]),
-                        "fabric_gbytes_per_s": med(fab_bw[s]),
-                        "ratio": med(fab_bw[s]) / med(ceil_bw[s]),
-                        "fabric_round_trip_us_p50": med(fab_rtt[s]),
+                        "ceiling_gbytes_per_s": med(runs["ceil"][s]),
+                        "ceiling_delivery_gbytes_per_s": med(runs["ceil_dc"][s]),
+                        "fabric_gbytes_per_s": fab,
+                        "ratio": fab / med(runs["ceil"][s]),
+                        "ratio_delivery": fab / med(runs["ceil_dc"][s]),
+                        "fabric_round_trip_us_p50": med(runs["fabric_rtt"][s]),
                     }
                 )
+            ping = med(rtt["ceil"]) if rtt["ceil"] else None
             report["providers"][tag] = {
                 "provider": provider,
                 "rows": rows,
                 "paged_pages_per_s": med(paged),
-                "ceiling_4k_writes_per_s": med(ceil_wps[4096]),
-                "paged_ratio": med(paged) / med(ceil_wps[4096]),
+                "ceiling_4k_writes_per_s": med(runs["ceil_wps"][4096]),
+                "paged_ratio": med(paged) / med(runs["ceil_wps"][4096]),
                 "submit_cost_us": med(submit),
+                "ceiling_imm_round_trip_us_p50": ping,
+                "ceiling_delivery_imm_round_trip_us_p50": med(rtt["ceil_dc"]) if rtt["ceil_dc"] else None,
+                "round_trip_target_us": None if ping is None else 2 * ping + 5,
             }
+    for (peer, size), values in sorted(peer_runs.items()):
+        entry = report["peers"].setdefault(peer, {**peer_meta[peer], "rows": []})
+        entry["rows"].append({"size": size, "gbytes_per_s": med(values), "runs": len(values)})
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "efa-vs-ceiling.json").write_text(json.dumps(report, indent=2) + "\n")
     _plot(report, args.out / "efa-vs-ceiling.png")
     for tag, p in report["providers"].items():
         for r in p["rows"]:
+            ceil, dc = r["ceiling_gbytes_per_s"], r["ceiling_delivery_gbytes_per_s"]
             sys.stdout.write(
                 f"{tag:4} {r['size']:>9} B  fabric {r['fabric_gbytes_per_s']:7.3f} GB/s  "
-                f"ceiling {r['ceiling_gbytes_per_s']:7.3f} GB/s  ratio {r['ratio']:.2f}\n"
+                f"ceiling {ceil:7.3f} (delivery {dc:7.3f})  ratio {r['ratio']:.2f} "
+                f"({r['ratio_delivery']:.2f})"
+                f"  rtt {r['fabric_round_trip_us_p50']:.0f} us\n"
             )
         sys.stdout.write(
-            f"{tag:4} paged {p['paged_pages_per_s']:.0f} pages/s, "
-            f"ratio {p['paged_ratio']:.2f} of 4 KiB writes/s\n"
+            f"{tag:4} paged {p['paged_pages_per_s']:.0f} pages/s, ratio {p['paged_ratio']:.2f} of 4 KiB "
+            f"writes/s; submit {p['submit_cost_us']:.2f} us; "
+            f"ceiling rtt {p['ceiling_imm_round_trip_us_p50']} us\n"
         )
+    for peer, entry in report["peers"].items():
+        for r in entry["rows"]:
+            sys.stdout.write(f"{peer:13} {r['size']:>9} B  {r['gbytes_per_s']:7.3f} GB/s\n")
     return 0
 
 
@@ -121,16 +165,33 @@ def _plot(report: dict[str, Any], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(8, 4.8))
     for tag, p in report["providers"].items():
         sizes = [r["size"] for r in p["rows"]]
         ax.loglog(
             sizes, [r["ceiling_gbytes_per_s"] for r in p["rows"]], "s--", label=f"raw libfabric ({tag})"
         )
-        ax.loglog(sizes, [r["fabric_gbytes_per_s"] for r in p["rows"]], "o-", label=f"fabric-efa ({tag})")
-    ax.set(xlabel="write size (bytes)", ylabel="GB/s", title="fabric-efa vs raw libfabric, two processes")
+        ax.loglog(
+            sizes,
+            [r["ceiling_delivery_gbytes_per_s"] for r in p["rows"]],
+            "^:",
+            label=f"raw libfabric, delivery complete ({tag})",
+        )
+        ax.loglog(
+            sizes, [r["fabric_gbytes_per_s"] for r in p["rows"]], "o-", lw=2, label=f"fabric-efa ({tag})"
+        )
+    for peer, entry in report["peers"].items():
+        rows = entry["rows"]
+        ax.loglog(
+            [r["size"] for r in rows], [r["gbytes_per_s"] for r in rows], "x-.", label=f"{peer} (loopback)"
+        )
+    ax.set(
+        xlabel="write size (bytes)",
+        ylabel="GB/s",
+        title="fabric-efa vs raw libfabric and peers, two processes",
+    )
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 

@@ -145,9 +145,25 @@ static void poll_cq(struct node *n, long *tx, long *rx) {
     }
 }
 
+/* -d: writes complete on delivery (FI_DELIVERY_COMPLETE), the semantics fabric gives a
+ * Transfer; the default is the provider's own (transmit complete). */
+static int delivery_complete = 0;
+
+static ssize_t post_write(struct node *n, size_t size, uint64_t data) {
+    if (!delivery_complete)
+        return fi_writedata(n->ep, n->buf, size, n->desc, data, n->peer, n->remote.base, n->remote.key, NULL);
+    struct iovec iov = {.iov_base = n->buf, .iov_len = size};
+    struct fi_rma_iov rma = {.addr = n->remote.base, .len = size, .key = n->remote.key};
+    void *desc = n->desc;
+    struct fi_msg_rma msg = {
+        .msg_iov = &iov, .desc = &desc, .iov_count = 1, .addr = n->peer,
+        .rma_iov = &rma, .rma_iov_count = 1, .context = NULL, .data = data};
+    return fi_writemsg(n->ep, &msg, FI_COMPLETION | FI_REMOTE_CQ_DATA | (size ? FI_DELIVERY_COMPLETE : 0));
+}
+
 static void write_imm(struct node *n, size_t size, uint64_t data, long *tx, long *rx) {
     for (;;) {
-        ssize_t rc = fi_writedata(n->ep, n->buf, size, n->desc, data, n->peer, n->remote.base, n->remote.key, NULL);
+        ssize_t rc = post_write(n, size, data);
         if (rc == 0) return;
         if (rc != -FI_EAGAIN) CHECK(rc);
         poll_cq(n, tx, rx);
@@ -196,15 +212,16 @@ int main(int argc, char **argv) {
     const char *prov = "shm", *sizes = "8,64,512,4096,32768,65536,262144,1048576,4194304,16777216";
     int window = 64, reps = 5, ping_iters = 20000;
     int opt;
-    while ((opt = getopt(argc, argv, "p:s:w:r:l:")) != -1) {
+    while ((opt = getopt(argc, argv, "p:s:w:r:l:d")) != -1) {
         switch (opt) {
         case 'p': prov = optarg; break;
+        case 'd': delivery_complete = 1; break;
         case 's': sizes = optarg; break;
         case 'w': window = atoi(optarg); break;
         case 'r': reps = atoi(optarg); break;
         case 'l': ping_iters = atoi(optarg); break;
         default:
-            fprintf(stderr, "usage: %s [-p provider] [-s sizes] [-w window] [-r reps] [-l pingpong iters]\n", argv[0]);
+            fprintf(stderr, "usage: %s [-p provider] [-s sizes] [-w window] [-r reps] [-l pingpong iters] [-d]\n", argv[0]);
             return 1;
         }
     }

@@ -16,6 +16,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include <fabric/pyfast.hpp>
+
 #include "libfabric_domain.hpp"
 
 namespace py = pybind11;
@@ -28,6 +30,9 @@ struct Registration {
     std::vector<fid_mr*> mrs;
     std::vector<void*> descs;
     std::vector<uint64_t> keys;
+    uint64_t ptr = 0;
+    uint64_t len = 0;
+    uint64_t region_handle = 0;  // the MemoryRegion's handle, once bound to the fast path
 };
 
 constexpr py::ssize_t kReleaseGilOps = 256;
@@ -71,6 +76,8 @@ class EfaEngine {
     std::pair<uint64_t, std::vector<uint64_t>> register_memory(uint64_t ptr, uint64_t len, bool remote_write) {
         check_open();
         Registration reg;
+        reg.ptr = ptr;
+        reg.len = len;
         uint64_t handle = next_handle_++;
         try {
             for (size_t n = 0; n < engine_->num_nics(); n++) {
@@ -96,8 +103,82 @@ class EfaEngine {
         std::lock_guard<std::mutex> lock(mu_);
         auto it = regs_.find(handle);
         if (it == regs_.end()) return;
+        if (fast_ && it->second.region_handle != 0) fast_->drop_region(it->second.region_handle);
         for (auto* mr : it->second.mrs) fi_close(&mr->fid);
         regs_.erase(it);
+    }
+
+    // --- the fast path (fabric/pyfast.hpp) ------------------------------------------------
+    void configure_fast(uint64_t max_msg, py::object sharded, py::object pinned, py::object shard_peers,
+                        py::object descriptor, bool guarded) {
+        fast_ = std::make_unique<fabric::fast::FastPlanner>(
+            engine_->num_nics(), max_msg,
+            fabric::fast::Classes{std::move(sharded), std::move(pinned), std::move(shard_peers), std::move(descriptor)},
+            guarded);
+    }
+
+    // The MemoryRegion made for registration ``token``: requests naming it may take the fast path.
+    void bind_region(uint64_t token, uint64_t region_handle, py::object region) {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = regs_.find(token);
+        if (it == regs_.end() || !fast_) return;
+        it->second.region_handle = region_handle;
+        fast_->add_region(region_handle, std::move(region), it->second.ptr, it->second.len, it->second.descs);
+    }
+
+    // Each returns the number of imms the target will count, or -1: take the Python path.
+    int64_t fast_write(uint64_t id, py::handle src, py::handle src_offset, py::handle length, py::handle dst,
+                       py::handle dst_offset, py::handle imm, py::handle routing) {
+        if (closed_ || !fast_) return -1;
+        return push(fast_->write(id, src.ptr(), src_offset.ptr(), length.ptr(), dst.ptr(), dst_offset.ptr(), imm.ptr(),
+                                 routing.ptr(), rotation_));
+    }
+
+    int64_t fast_paged(uint64_t id, py::handle src, py::handle src_pages, py::handle src_stride, py::handle dst,
+                       py::handle dst_pages, py::handle dst_stride, py::handle page_length, py::handle src_offset,
+                       py::handle dst_offset, py::handle imm, py::handle routing) {
+        if (closed_ || !fast_) return -1;
+        return push(fast_->paged(id, src.ptr(), src_pages.ptr(), src_stride.ptr(), dst.ptr(), dst_pages.ptr(),
+                                 dst_stride.ptr(), page_length.ptr(), src_offset.ptr(), dst_offset.ptr(), imm.ptr(),
+                                 routing.ptr(), rotation_));
+    }
+
+    int64_t fast_imm(uint64_t id, py::handle dst, py::handle imm, py::handle routing) {
+        if (closed_ || !fast_) return -1;
+        return push(fast_->imm_only(id, dst.ptr(), imm.ptr(), routing.ptr(), rotation_));
+    }
+
+    uint64_t fast_submitted() const { return fast_submitted_; }
+
+    // What the fast path would post for ``kind`` ("write", "paged", "imm") with ``args`` (the
+    // fast_* arguments after the id) at ``rotation``, without posting: None where it defers
+    // to plan_request, else (nic, target, src, dst_off, length) arrays, src as an address.
+    py::object plan_only(const std::string& kind, py::tuple args, uint64_t rotation) {
+        if (!fast_) return py::none();
+        auto at = [&](size_t i) { return args[i].ptr(); };
+        std::unique_ptr<fabric::Request> req;
+        if (kind == "write" && args.size() == 7) {
+            req = fast_->write(0, at(0), at(1), at(2), at(3), at(4), at(5), at(6), rotation);
+        } else if (kind == "paged" && args.size() == 11) {
+            req = fast_->paged(0, at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7), at(8), at(9), at(10),
+                               rotation);
+        } else if (kind == "imm" && args.size() == 3) {
+            req = fast_->imm_only(0, at(0), at(1), at(2), rotation);
+        } else {
+            throw std::invalid_argument("plan_only: unknown kind or wrong number of arguments");
+        }
+        if (!req) return py::none();
+        auto n = static_cast<py::ssize_t>(req->ops.size());
+        py::array_t<int64_t> nic(n), target(n), src(n), dst(n), len(n);
+        for (py::ssize_t i = 0; i < n; i++) {
+            const auto& op = req->ops[static_cast<size_t>(i)];
+            nic.mutable_at(i) = op.nic;
+            target.mutable_at(i) = op.target;
+            src.mutable_at(i) = static_cast<int64_t>(op.src);
+            dst.mutable_at(i) = static_cast<int64_t>(op.dst_off);
+            len.mutable_at(i) = static_cast<int64_t>(op.len);
+        }
+        return py::make_tuple(nic, target, src, dst, len);
     }
 
     void submit_write(uint64_t id, uint64_t src_handle, uint64_t src_base, py::array_t<int64_t> nic,
@@ -112,13 +193,13 @@ class EfaEngine {
             std::lock_guard<std::mutex> lock(mu_);
             auto it = regs_.find(src_handle);
             if (it == regs_.end()) throw std::invalid_argument("source registration is gone");
-            req->src_desc = it->second.descs;
+            req->src_desc = std::make_shared<const std::vector<void*>>(it->second.descs);
         }
         for (const auto& [addrs, keys, base] : targets) {
-            fabric::Target t;
-            for (const auto& a : addrs) t.addresses.emplace_back(a);
-            t.rkeys = keys;
-            t.remote_base = base;
+            auto t = std::make_shared<fabric::Target>();
+            for (const auto& a : addrs) t->addresses.emplace_back(a);
+            t->rkeys = keys;
+            t->remote_base = base;
             req->targets.push_back(std::move(t));
         }
         auto n = nic.unchecked<1>();
@@ -164,10 +245,11 @@ class EfaEngine {
     }
 
     py::dict stats() const {
-        auto s = engine_->stats();
+        auto s = engine_ ? engine_->stats() : final_stats_;
         py::dict d;
         d["posted"] = s.posted;
         d["completed_wrs"] = s.completed_wrs;
+        d["bytes_written"] = s.bytes_written;
         d["eagain"] = s.eagain;
         return d;
     }
@@ -179,6 +261,7 @@ class EfaEngine {
             py::gil_scoped_release release;
             engine_->close();
         }
+        if (fast_) fast_->clear();
         std::lock_guard<std::mutex> lock(mu_);
         for (auto& [h, reg] : regs_)
             for (auto* mr : reg.mrs) fi_close(&mr->fid);
@@ -187,11 +270,22 @@ class EfaEngine {
 
     void destroy() {
         close();
+        if (!engine_) return;
+        final_stats_ = engine_->stats();
         py::gil_scoped_release release;
         engine_.reset();
     }
 
   private:
+    int64_t push(std::unique_ptr<fabric::Request> req) {
+        if (!req) return -1;
+        int64_t imms = req->has_imm ? static_cast<int64_t>(req->ops.size()) : 0;
+        rotation_++;
+        fast_submitted_++;
+        engine_->submit(std::move(req));
+        return imms;
+    }
+
     // A request naming one peer (a control message, or a resolution). The push is O(1) and
     // lock-free, so the GIL stays held (releasing it costs more than the push).
     void submit_to(uint64_t id, const py::bytes& address, const py::bytes& payload, bool resolve_only) {
@@ -215,6 +309,10 @@ class EfaEngine {
     std::unordered_map<uint64_t, Registration> regs_;
     uint64_t next_handle_ = 1;
     bool closed_ = false;
+    fabric::EngineStats final_stats_;  // what stats() reports once the engine is destroyed
+    std::unique_ptr<fabric::fast::FastPlanner> fast_;  // guarded by the GIL
+    uint64_t rotation_ = 0;                           // guarded by the GIL
+    uint64_t fast_submitted_ = 0;                     // guarded by the GIL
 };
 
 // Cheap check: can fi_getinfo find an RDM endpoint with RMA and remote CQ data here?
@@ -239,6 +337,9 @@ PYBIND11_MODULE(_efa, m) {
     m.doc() = "libfabric engine of fabric-efa (compiled)";
     static py::exception<LibfabricError> error(m, "LibfabricError", PyExc_RuntimeError);
     m.def("probe", &probe, py::arg("provider"));
+    m.def("close_address", [](py::bytes a) { fabric::fast::ClosedSet::instance().add(a); }, py::arg("address"));
+    m.def("reopen_address", [](py::bytes a) { fabric::fast::ClosedSet::instance().remove(a); }, py::arg("address"));
+    m.def("is_closed", [](py::bytes a) { return fabric::fast::ClosedSet::instance().contains(a); }, py::arg("address"));
     m.def("libfabric_version", [] {
         uint32_t v = fi_version();
         return py::make_tuple(FI_MAJOR(v), FI_MINOR(v));
@@ -256,6 +357,17 @@ PYBIND11_MODULE(_efa, m) {
         .def("submit_send", &EfaEngine::submit_send, py::arg("id"), py::arg("address"), py::arg("payload"))
         .def("check_peer", &EfaEngine::check_peer, py::arg("id"), py::arg("address"))
         .def("wait_batch", &EfaEngine::wait_batch, py::arg("timeout_s"))
+        .def("configure_fast", &EfaEngine::configure_fast, py::arg("max_msg"), py::arg("sharded"), py::arg("pinned"),
+             py::arg("shard_peers"), py::arg("descriptor"), py::arg("guarded"))
+        .def("bind_region", &EfaEngine::bind_region, py::arg("token"), py::arg("region_handle"), py::arg("region"))
+        .def("fast_write", &EfaEngine::fast_write, py::arg("id"), py::arg("src"), py::arg("src_offset"),
+             py::arg("length"), py::arg("dst"), py::arg("dst_offset"), py::arg("imm"), py::arg("routing"))
+        .def("fast_paged", &EfaEngine::fast_paged, py::arg("id"), py::arg("src"), py::arg("src_pages"),
+             py::arg("src_stride"), py::arg("dst"), py::arg("dst_pages"), py::arg("dst_stride"), py::arg("page_length"),
+             py::arg("src_offset"), py::arg("dst_offset"), py::arg("imm"), py::arg("routing"))
+        .def("fast_imm", &EfaEngine::fast_imm, py::arg("id"), py::arg("dst"), py::arg("imm"), py::arg("routing"))
+        .def("fast_submitted", &EfaEngine::fast_submitted)
+        .def("plan_only", &EfaEngine::plan_only, py::arg("kind"), py::arg("args"), py::arg("rotation"))
         .def("stats", &EfaEngine::stats)
         .def("close", &EfaEngine::close)
         .def("destroy", &EfaEngine::destroy);

@@ -96,6 +96,9 @@ class EngineBase(TransferEngine):
     def _backend_stop(self, exc: BaseException, drain: bool, timeout: float) -> None:
         """Drain (if asked, up to ``timeout`` s) and fail in-flight work with ``exc``."""
 
+    def _backend_bound(self, reg: Registration) -> None:
+        """A registration is complete: ``reg.region`` is the object handed to the user."""
+
     def _backend_release(self, exc: BaseException) -> None:
         """Last step of closing, after memory is deregistered (detach, join threads)."""
 
@@ -171,7 +174,9 @@ class EngineBase(TransferEngine):
         )
         region._keepalive = span.keepalive
         region._engine_id = id(self)
-        self._regs[handle] = Registration(handle, span.ptr, span.length, region, token)
+        reg = Registration(handle, span.ptr, span.length, region, token)
+        self._regs[handle] = reg
+        self._backend_bound(reg)
         return region
 
     def deregister(self, region: MemoryRegion) -> None:

@@ -7,6 +7,9 @@ class LibfabricError(RuntimeError): ...
 
 def probe(provider: str) -> str | None: ...
 def libfabric_version() -> tuple[int, int]: ...
+def close_address(address: bytes) -> None: ...
+def reopen_address(address: bytes) -> None: ...
+def is_closed(address: bytes) -> bool: ...
 
 class Engine:
     def __init__(
@@ -29,6 +32,56 @@ class Engine:
         imm: int,
         targets: list[tuple[list[bytes], list[int], int]],
     ) -> None: ...
+    def configure_fast(
+        self,
+        max_msg: int,
+        sharded: object,
+        pinned: object,
+        shard_peers: object,
+        descriptor: object,
+        guarded: bool,
+    ) -> None: ...
+    def bind_region(self, token: int, region_handle: int, region: object) -> None: ...
+    def fast_write(
+        self,
+        id: int,
+        src: object,
+        src_offset: object,
+        length: object,
+        dst: object,
+        dst_offset: object,
+        imm: object,
+        routing: object,
+    ) -> int: ...
+    def fast_paged(
+        self,
+        id: int,
+        src: object,
+        src_pages: object,
+        src_stride: object,
+        dst: object,
+        dst_pages: object,
+        dst_stride: object,
+        page_length: object,
+        src_offset: object,
+        dst_offset: object,
+        imm: object,
+        routing: object,
+    ) -> int: ...
+    def fast_imm(self, id: int, dst: object, imm: object, routing: object) -> int: ...
+    def fast_submitted(self) -> int: ...
+    def plan_only(
+        self, kind: str, args: tuple[object, ...], rotation: int
+    ) -> (
+        tuple[
+            npt.NDArray[np.int64],
+            npt.NDArray[np.int64],
+            npt.NDArray[np.int64],
+            npt.NDArray[np.int64],
+            npt.NDArray[np.int64],
+        ]
+        | None
+    ): ...
     def submit_send(self, id: int, address: bytes, payload: bytes) -> None: ...
     def check_peer(self, id: int, address: bytes) -> None: ...
     def wait_batch(

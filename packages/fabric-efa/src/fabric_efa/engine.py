@@ -7,8 +7,10 @@ import logging
 import struct
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
+from fabric_core.api import EngineStats
 from fabric_core.base import EngineBase, Registration
 from fabric_core.errors import (
     BackendUnavailable,
@@ -18,9 +20,26 @@ from fabric_core.errors import (
     RemoteAccessError,
     TransportError,
 )
-from fabric_core.memory import MemorySpan
-from fabric_core.models import Capabilities, DomainAddress, DomainInfo, MemoryRegionDescriptor
-from fabric_core.ops import Message, Plan
+from fabric_core.memory import MemorySpan, index_array
+from fabric_core.models import (
+    Capabilities,
+    DomainAddress,
+    DomainInfo,
+    MemoryRegion,
+    MemoryRegionDescriptor,
+)
+from fabric_core.ops import (
+    ImmRequest,
+    Message,
+    PagedWriteRequest,
+    Pinned,
+    Plan,
+    Request,
+    Routing,
+    Sharded,
+    ShardPeers,
+    WriteRequest,
+)
 from fabric_core.settings import FabricSettings
 from fabric_core.transfer import Transfer
 
@@ -31,13 +50,16 @@ __all__ = ["EfaEngine"]
 logger = logging.getLogger(__name__)
 
 _engines = itertools.count(1)
-# Endpoints closed in this process, per provider. Writing to one of them would touch freed
-# provider state (the shm provider crashes), so such writes fail with PeerUnreachable before
-# posting. Only providers whose addresses name their process are guarded: a tcp address is a
-# port, which another process may bind next, so a tcp address closed here says nothing about
-# who owns it now. Peers that die in other processes are the liveness protocol's to detect.
+# Endpoints closed in this process (kept by the compiled module, which the fast path reads).
+# Writing to one of them would touch freed provider state (the shm provider crashes), so such
+# writes fail with PeerUnreachable before posting. Only providers whose addresses name their
+# process are guarded: a tcp address is a port, which another process may bind next, so a tcp
+# address closed here says nothing about who owns it now. Peers that die in other processes
+# are the liveness protocol's to detect.
 _PROCESS_SCOPED = frozenset({"shm"})
-_closed_here: set[bytes] = set()
+_SHARDED = Sharded()
+_ONE_NIC = Sharded(1)
+_NO_IMMS = (0,)
 _HEADER = struct.Struct("<B")  # length of the sender's address, then the address, then the data
 # Status codes of fabric/engine.hpp
 _STATUS: dict[int, type[TransportError]] = {1: PeerUnreachable, 2: RemoteAccessError, 3: TransportError}
@@ -99,10 +121,10 @@ class EfaEngine(EngineBase):
         addresses = [DomainAddress(raw=a) for a in self._core.addresses()]
         details = _details(info)
         self._guarded = str(info["provider"]) in _PROCESS_SCOPED
-        _closed_here.difference_update(a.raw for a in addresses)  # an address can be reused
+        for a in addresses:  # an address can be reused
+            _efa.reopen_address(a.raw)
         self._inflight: dict[int, Transfer] = {}
         self._specs: dict[int, tuple[MemoryRegionDescriptor, tuple[list[bytes], list[int], int]]] = {}
-        self._inflight_lock = threading.Lock()
         super().__init__(
             settings,
             Capabilities(
@@ -124,18 +146,110 @@ class EfaEngine(EngineBase):
             ],
             f"fabric-efa-cb-{next(_engines)}",
         )
+        self._core.configure_fast(max_msg, Sharded, Pinned, ShardPeers, MemoryRegionDescriptor, self._guarded)
         self._header = _HEADER.pack(len(self.address.raw)) + self.address.raw
         self._stop = False
         self._completer = threading.Thread(target=self._complete, name="fabric-efa-completion", daemon=True)
         self._completer.start()
+
+    # --- submit: planned in C++ when the request is plain, else by plan_request ---------
+    def _fast(self, transfer: Transfer, imms: int) -> Transfer | None:
+        if imms < 0:
+            self._inflight.pop(transfer.id, None)
+            return None
+        transfer.imms_per_target = (imms,)
+        return transfer
+
+    def _new(self) -> Transfer:
+        """A transfer entered in the in-flight table (one dict store: atomic under the GIL)."""
+        transfer = Transfer(_NO_IMMS, dispatcher=self._dispatch, default_timeout=self._timeout)
+        self._inflight[transfer.id] = transfer
+        return transfer
+
+    def submit_write(
+        self,
+        src: MemoryRegion,
+        src_offset: int,
+        length: int,
+        dst: MemoryRegionDescriptor,
+        dst_offset: int = 0,
+        *,
+        imm: int | None = None,
+        routing: Routing = _SHARDED,
+    ) -> Transfer:
+        t = self._new()
+        done = self._fast(
+            t, self._core.fast_write(t.id, src, src_offset, length, dst, dst_offset, imm, routing)
+        )
+        if done is not None:
+            return done
+        return super().submit(WriteRequest(src, src_offset, length, dst, dst_offset, imm, routing))
+
+    def submit_imm(self, dst: MemoryRegionDescriptor, imm: int, *, routing: Routing = _ONE_NIC) -> Transfer:
+        t = self._new()
+        done = self._fast(t, self._core.fast_imm(t.id, dst, imm, routing))
+        return done if done is not None else super().submit(ImmRequest(dst, imm, routing))
+
+    def submit(self, request: Request) -> Transfer:
+        kind = type(request)
+        done: Transfer | None = None
+        if kind is WriteRequest:
+            r: Any = request
+            t = self._new()
+            done = self._fast(
+                t,
+                self._core.fast_write(
+                    t.id, r.src, r.src_offset, r.length, r.dst, r.dst_offset, r.imm, r.routing
+                ),
+            )
+        elif kind is PagedWriteRequest:
+            done = self._fast_paged(request)  # type: ignore[arg-type]
+        elif kind is ImmRequest:
+            r = request
+            t = self._new()
+            done = self._fast(t, self._core.fast_imm(t.id, r.dst, r.imm, r.routing))
+        return done if done is not None else super().submit(request)
+
+    def _fast_paged(self, r: PagedWriteRequest) -> Transfer | None:
+        try:
+            src_pages, dst_pages = (
+                index_array(r.src_pages, "src_pages"),
+                index_array(r.dst_pages, "dst_pages"),
+            )
+        except FabricError:
+            return None  # plan_request raises it, after the checks it makes first
+        t = self._new()
+        imms = self._core.fast_paged(
+            t.id,
+            r.src,
+            src_pages,
+            r.src_stride,
+            r.dst,
+            dst_pages,
+            r.dst_stride,
+            r.page_length,
+            r.src_offset,
+            r.dst_offset,
+            r.imm,
+            r.routing,
+        )
+        return self._fast(t, imms)
+
+    def stats(self) -> EngineStats:
+        core = self._core.stats()
+        return replace(
+            super().stats(),
+            submitted=self._stat_submitted + self._core.fast_submitted(),
+            work_requests=int(core["completed_wrs"]),
+            bytes_written=int(core["bytes_written"]),
+        )
 
     # --- completion path: one GIL acquisition per batch ------------------------------
     def _complete(self) -> None:
         while True:
             done, imms, messages = self._core.wait_batch(0.05)
             for xfer_id, status, message in done:
-                with self._inflight_lock:
-                    transfer = self._inflight.pop(xfer_id, None)
+                transfer = self._inflight.pop(xfer_id, None)
                 if transfer is None:
                     continue
                 if status == 0:
@@ -165,13 +279,17 @@ class EfaEngine(EngineBase):
         token, keys = self._core.register_memory(span.ptr, span.length, writable)
         return tuple(keys), token
 
+    def _backend_bound(self, reg: Registration) -> None:
+        assert isinstance(reg.token, int)
+        self._core.bind_region(reg.token, reg.handle, reg.region)
+
     def _backend_deregister(self, token: object) -> None:
         assert isinstance(token, int)
         self._core.deregister(token)
 
     def _gone(self, peer: bytes, transfer: Transfer) -> bool:
         """Fail ``transfer`` if ``peer`` is an endpoint closed in this process (guarded providers)."""
-        if peer not in _closed_here:
+        if not _efa.is_closed(peer):
             return False
         self._stat_failed += 1
         transfer._resolve(
@@ -183,8 +301,7 @@ class EfaEngine(EngineBase):
         if self._guarded and any(self._gone(desc.peer.raw, transfer) for desc in plan.targets):
             return
         targets = [self._target_spec(desc) for desc in plan.targets]
-        with self._inflight_lock:
-            self._inflight[transfer.id] = transfer
+        self._inflight[transfer.id] = transfer
         self._core.submit_write(
             transfer.id,
             source.token if source is not None and isinstance(source.token, int) else 0,
@@ -213,16 +330,14 @@ class EfaEngine(EngineBase):
     def _backend_send(self, peer: DomainAddress, payload: bytes, transfer: Transfer) -> None:
         if self._guarded and self._gone(peer.raw, transfer):
             return
-        with self._inflight_lock:
-            self._inflight[transfer.id] = transfer
+        self._inflight[transfer.id] = transfer
         self._core.submit_send(transfer.id, peer.raw, self._header + payload)
 
     def _backend_check_peer(self, peer: DomainAddress) -> None:
-        if self._guarded and peer.raw in _closed_here:
+        if self._guarded and _efa.is_closed(peer.raw):
             raise PeerUnreachable(f"peer {peer.raw.hex()} is closed", peer=peer.raw.hex())
         transfer = Transfer((0,), default_timeout=self._timeout)
-        with self._inflight_lock:
-            self._inflight[transfer.id] = transfer
+        self._inflight[transfer.id] = transfer
         self._core.check_peer(transfer.id, peer.raw)
         try:
             transfer.wait()
@@ -234,7 +349,8 @@ class EfaEngine(EngineBase):
 
     def _backend_stop(self, exc: BaseException, drain: bool, timeout: float) -> None:
         if self._guarded:
-            _closed_here.update(a.raw for a in self._addresses)
+            for a in self._addresses:
+                _efa.close_address(a.raw)
         if drain:
             deadline = time.monotonic() + timeout
             while self._inflight and time.monotonic() < deadline:
@@ -242,9 +358,8 @@ class EfaEngine(EngineBase):
         self._core.close()  # fails what is left with status "closed"
         self._stop = True
         self._completer.join()
-        with self._inflight_lock:
-            left = list(self._inflight.values())
-            self._inflight.clear()
+        left = list(self._inflight.values())
+        self._inflight.clear()
         for transfer in left:
             self._stat_failed += 1
             transfer._resolve(exc)

@@ -39,6 +39,7 @@
 #if defined(__linux__)
 #include <pthread.h>
 #include <sched.h>
+#include <sys/prctl.h>
 #endif
 
 #include "mpsc_queue.hpp"
@@ -65,10 +66,14 @@ struct WriteOp {
     uint32_t imm;
 };
 
+// A destination region. Shared by every request to it; ``peers`` caches the resolved peer
+// handle per NIC and is touched by the worker only.
 struct Target {
     std::vector<std::string> addresses;  // per NIC
     std::vector<uint64_t> rkeys;         // per NIC
     uint64_t remote_base = 0;            // the descriptor's ptr
+    std::vector<uint64_t> peers;         // per NIC, kUnresolved until the worker resolves it
+    static constexpr uint64_t kUnresolved = ~uint64_t(0);
 };
 
 struct Request;
@@ -89,8 +94,8 @@ struct Request {
     uint64_t id = 0;
     bool has_imm = false;
     uint32_t imm = 0;
-    std::vector<void*> src_desc;  // per NIC
-    std::vector<Target> targets;
+    std::shared_ptr<const std::vector<void*>> src_desc;  // per NIC; null: no source (imm-only)
+    std::vector<std::shared_ptr<Target>> targets;
     std::vector<OpCtx> ops;
     // two-sided send
     std::string payload;
@@ -118,7 +123,8 @@ struct Batch {
 
 struct EngineStats {
     uint64_t posted = 0;
-    uint64_t completed_wrs = 0;
+    uint64_t completed_wrs = 0;  // writes that completed successfully
+    uint64_t bytes_written = 0;  // their bytes
     uint64_t eagain = 0;
 };
 
@@ -156,7 +162,7 @@ class Engine {
 
     void submit(std::unique_ptr<Request> req) {
         queue_.push(std::move(req));
-        if (sleeping_.load(std::memory_order_acquire)) {
+        if (sleeping_.load(std::memory_order_seq_cst)) {
             std::lock_guard<std::mutex> lock(wake_mu_);
             wake_cv_.notify_one();
         }
@@ -190,6 +196,7 @@ class Engine {
         EngineStats s;
         s.posted = posted_.load();
         s.completed_wrs = completed_.load();
+        s.bytes_written = bytes_.load();
         s.eagain = eagain_.load();
         return s;
     }
@@ -205,22 +212,45 @@ class Engine {
             pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
         }
 #endif
-        unsigned idle = 0;
+        // Idle policy. With work in flight the worker polls without pause, yielding the CPU
+        // after a run of empty polls (a provider with manual progress needs the polls, and a
+        // host with fewer cores than busy threads needs the yields). Once nothing is in flight
+        // it keeps polling for incoming imms and messages, yielding between polls, for
+        // kIdleSpin; then it sleeps in short naps (kNap, with a tight timer slack so a nap is
+        // not stretched to the kernel's default 50 us), and a submit wakes it at once.
+        using clock = std::chrono::steady_clock;
+        constexpr auto kIdleSpin = std::chrono::microseconds(200);
+        constexpr auto kNap = std::chrono::microseconds(20);
+        constexpr unsigned kPollsBeforeYield = 64;
+#if defined(__linux__)
+        prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // 1 us
+#endif
+        unsigned empty = 0;
+        auto last_work = clock::now();
         while (!stop_.load(std::memory_order_acquire)) {
             bool busy = intake();
             busy |= post_pending();
             busy |= poll_all();
             publish();
-            if (busy || inflight_ > 0) {
-                idle = 0;
+            if (busy) {
+                empty = 0;
                 continue;
             }
-            if (++idle < 2000) continue;
-            // Idle: keep polling for incoming imms and messages, but yield the CPU between.
-            sleeping_.store(true, std::memory_order_release);
-            {
+            if (++empty < kPollsBeforeYield) continue;
+            if (inflight_ > 0) {
+                std::this_thread::yield();
+                last_work = clock::now();
+                continue;
+            }
+            if (empty == kPollsBeforeYield) last_work = clock::now();
+            if (clock::now() - last_work < kIdleSpin) {
+                std::this_thread::yield();
+                continue;
+            }
+            sleeping_.store(true, std::memory_order_seq_cst);
+            if (queue_.empty()) {
                 std::unique_lock<std::mutex> lock(wake_mu_);
-                wake_cv_.wait_for(lock, std::chrono::microseconds(50));
+                wake_cv_.wait_for(lock, kNap);
             }
             sleeping_.store(false, std::memory_order_release);
         }
@@ -316,13 +346,17 @@ class Engine {
         if (op.kind == 1) {
             return nics_[n]->post_send(r.payload.data(), r.payload.size(), r.payload_desc, op.dst_off, &op);
         }
-        const Target& t = r.targets[op.target];
-        uint64_t peer = 0;
-        if (!resolve(n, t.addresses[n], peer)) return -EHOSTUNREACH;
+        Target& t = *r.targets[op.target];
+        if (t.peers.size() != nics_.size()) t.peers.assign(nics_.size(), Target::kUnresolved);
+        uint64_t& peer = t.peers[n];
+        if (peer == Target::kUnresolved && !resolve(n, t.addresses[n], peer)) {
+            peer = Target::kUnresolved;
+            return -EHOSTUNREACH;
+        }
         WriteOp w;
         w.src = reinterpret_cast<const void*>(op.src);
         w.len = op.len;
-        w.desc = r.src_desc.empty() ? nullptr : r.src_desc[n];
+        w.desc = r.src_desc ? (*r.src_desc)[n] : nullptr;
         w.peer = peer;
         w.raddr = (nics_[n]->virt_addr() ? t.remote_base : 0) + op.dst_off;
         w.rkey = t.rkeys[n];
@@ -356,7 +390,10 @@ class Engine {
     }
 
     void finish_op(OpCtx& op) {
-        completed_++;
+        if (op.kind == 0) {
+            completed_.fetch_add(1, std::memory_order_relaxed);
+            bytes_.fetch_add(op.len, std::memory_order_relaxed);
+        }
         settle(op);
     }
 
@@ -437,7 +474,7 @@ class Engine {
     std::condition_variable wake_cv_;
     std::atomic<bool> sleeping_{false};
     std::atomic<bool> stop_{false};
-    std::atomic<uint64_t> posted_{0}, completed_{0}, eagain_{0};
+    std::atomic<uint64_t> posted_{0}, completed_{0}, bytes_{0}, eagain_{0};
     std::thread worker_;
 };
 

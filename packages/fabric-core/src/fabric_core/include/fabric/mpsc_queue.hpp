@@ -28,6 +28,9 @@ class MpscQueue {
         prev->next.store(node, std::memory_order_release);
     }
 
+    // Consumer only: nothing queued and no push under way.
+    bool empty() const { return tail_ == &stub_ && head_.load(std::memory_order_seq_cst) == &stub_; }
+
     // Consumer only. Returns nullptr when empty (or when a producer is mid-push; the item
     // then shows up on a later call).
     std::unique_ptr<T> pop() {

@@ -1,0 +1,340 @@
+// The compiled backends' submit fast path: a Python request in, a planned Request out, with
+// no Python code run and no Python object made on the way.
+//
+// FastPlanner reads the request's attributes through the C API, checks them against its own
+// tables (registered source regions by identity, destination descriptors by identity, cached
+// with a strong reference) and cuts the request with fabric/plan.hpp. It accepts only plain
+// input: exact ints in range, the routing classes themselves, int64 page arrays. Anything
+// else, valid or not, returns null and the caller takes the validating Python path
+// (fabric_core.plan_request), which either plans the request or raises its ConfigError. So
+// the fast path never accepts what plan_request rejects, and every error message stays in
+// one place.
+//
+// Every method runs with the GIL held: the GIL is the lock of the tables.
+#pragma once
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include "engine.hpp"
+#include "plan.hpp"
+
+namespace fabric::fast {
+
+namespace py = pybind11;
+
+// Endpoint addresses closed in this process. Writing to one of them would touch freed provider
+// state on providers whose addresses name their process (shm), so such writes take the slow
+// path, which fails them with PeerUnreachable.
+class ClosedSet {
+  public:
+    void add(const std::string& a) {
+        std::lock_guard<std::mutex> lock(mu_);
+        set_.insert(a);
+        epoch_.fetch_add(1, std::memory_order_release);
+    }
+    void remove(const std::string& a) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (set_.erase(a)) epoch_.fetch_add(1, std::memory_order_release);
+    }
+    bool contains(const std::string& a) const {
+        std::lock_guard<std::mutex> lock(mu_);
+        return set_.count(a) != 0;
+    }
+    uint64_t epoch() const { return epoch_.load(std::memory_order_acquire); }
+
+    static ClosedSet& instance() {
+        static ClosedSet set;
+        return set;
+    }
+
+  private:
+    mutable std::mutex mu_;
+    std::unordered_set<std::string> set_;
+    std::atomic<uint64_t> epoch_{1};
+};
+
+struct Classes {
+    py::object sharded, pinned, shard_peers, descriptor;
+};
+
+class FastPlanner {
+  public:
+    FastPlanner(size_t num_nics, uint64_t max_msg, Classes classes, bool guarded)
+        : n_(num_nics), max_msg_(max_msg), classes_(std::move(classes)), guarded_(guarded) {}
+
+    void add_region(uint64_t handle, py::object region, uint64_t ptr, uint64_t len, std::vector<void*> descs) {
+        regions_[handle] = Region{std::move(region), ptr, len,
+                                  std::make_shared<const std::vector<void*>>(std::move(descs))};
+    }
+    void drop_region(uint64_t handle) { regions_.erase(handle); }
+    void clear() {
+        regions_.clear();
+        targets_.clear();
+    }
+
+    // WriteRequest(src, src_offset, length, dst, dst_offset, imm, routing).
+    std::unique_ptr<Request> write(uint64_t id, PyObject* src, PyObject* src_off, PyObject* length, PyObject* dst,
+                                   PyObject* dst_off, PyObject* imm, PyObject* routing, uint64_t rotation) {
+        const Region* reg = region(src);
+        TargetEntry* t = target(dst);
+        uint64_t so, len, dof;
+        Route route;
+        int64_t value;
+        if (!reg || !t || !u63(src_off, so) || !u63(length, len) || !u63(dst_off, dof) || !imm_of(imm, true, value) ||
+            !route_of(routing, false, route))
+            return nullptr;
+        if (!plan::span_ok(so, len, reg->len) || !plan::span_ok(dof, len, t->length)) return nullptr;
+        auto req = start(id, value, reg, t);
+        if (route.pin) {
+            plan::emit(req->ops, route.k, 0, reg->ptr + so, dof, len, max_msg_);
+        } else {
+            plan::shards(req->ops, 0, reg->ptr + so, dof, len, route.k, rotation % n_, n_, max_msg_);
+        }
+        return req;
+    }
+
+    // PagedWriteRequest; the page lists come as int64 arrays (fabric_core.memory.index_array).
+    std::unique_ptr<Request> paged(uint64_t id, PyObject* src, PyObject* src_pages, PyObject* src_stride, PyObject* dst,
+                                   PyObject* dst_pages, PyObject* dst_stride, PyObject* page_length,
+                                   PyObject* src_offset, PyObject* dst_offset, PyObject* imm, PyObject* routing,
+                                   uint64_t rotation) {
+        using Pages = py::array_t<int64_t, 0>;
+        const Region* reg = region(src);
+        TargetEntry* t = target(dst);
+        uint64_t ss, ds, plen, so, dof;
+        Route route;
+        int64_t value;
+        if (!reg || !t || !u63(src_stride, ss) || !u63(dst_stride, ds) || !u63(page_length, plen) ||
+            !u63(src_offset, so) || !u63(dst_offset, dof) || !imm_of(imm, true, value) ||
+            !route_of(routing, false, route))
+            return nullptr;
+        py::handle sp_h(src_pages), dp_h(dst_pages);
+        if (!py::isinstance<Pages>(sp_h) || !py::isinstance<Pages>(dp_h)) return nullptr;
+        auto sp_arr = py::reinterpret_borrow<Pages>(sp_h);
+        auto dp_arr = py::reinterpret_borrow<Pages>(dp_h);
+        if (sp_arr.ndim() != 1 || dp_arr.ndim() != 1) return nullptr;
+        auto sp = sp_arr.unchecked<1>();
+        auto dp = dp_arr.unchecked<1>();
+        size_t count = static_cast<size_t>(sp.shape(0));
+        if (count == 0 || static_cast<size_t>(dp.shape(0)) != count) return nullptr;
+        int64_t s_lo = sp(0), s_hi = sp(0), d_lo = dp(0), d_hi = dp(0);
+        for (size_t i = 1; i < count; i++) {
+            s_lo = std::min(s_lo, sp(i));
+            s_hi = std::max(s_hi, sp(i));
+            d_lo = std::min(d_lo, dp(i));
+            d_hi = std::max(d_hi, dp(i));
+        }
+        if (s_lo < 0 || d_lo < 0) return nullptr;
+        using plan::u128;
+        if (!plan::span_ok(so + u128(s_hi) * ss, plen, reg->len) || !plan::span_ok(dof + u128(d_hi) * ds, plen, t->length))
+            return nullptr;
+        if (plen && count > 1) {
+            if (ds < plen) return nullptr;
+            if (!plan::distinct(count, d_lo, d_hi, [&](size_t i) { return dp(i); })) return nullptr;
+        }
+        auto req = start(id, value, reg, t);
+        req->ops.reserve(plen <= max_msg_ ? count : 0);
+        uint64_t first = rotation % n_;
+        for (size_t i = 0; i < count; i++) {
+            uint64_t nic = route.pin ? route.k : (first + (i * route.k) / count) % n_;
+            // in range: the span checks above bound every offset below 2**63
+            plan::emit(req->ops, static_cast<uint32_t>(nic), 0, reg->ptr + so + static_cast<uint64_t>(sp(i)) * ss,
+                       dof + static_cast<uint64_t>(dp(i)) * ds, plen, max_msg_);
+        }
+        return req;
+    }
+
+    // ImmRequest(dst, imm, routing): one zero-length write carrying the imm.
+    std::unique_ptr<Request> imm_only(uint64_t id, PyObject* dst, PyObject* imm, PyObject* routing,
+                                      uint64_t rotation) {
+        TargetEntry* t = target(dst);
+        Route route;
+        int64_t value;
+        if (!t || !imm_of(imm, false, value) || !route_of(routing, true, route)) return nullptr;
+        auto req = start(id, value, nullptr, t);
+        plan::emit(req->ops, route.pin ? route.k : static_cast<uint32_t>(rotation % n_), 0, 0, 0, 0, max_msg_);
+        return req;
+    }
+
+  private:
+    struct Region {
+        py::object obj;  // the MemoryRegion handed to the user: identity is the check
+        uint64_t ptr;
+        uint64_t len;
+        std::shared_ptr<const std::vector<void*>> descs;
+    };
+    struct TargetEntry {
+        py::object desc;  // keeps the descriptor alive, so its id is never reused while cached
+        std::shared_ptr<Target> target;
+        uint64_t length;
+        uint64_t epoch = 0;  // ClosedSet epoch ``gone`` was computed at
+        bool gone = false;
+    };
+    struct Route {
+        bool pin = false;
+        uint32_t k = 0;
+    };
+
+    static constexpr size_t kMaxTargets = 4096;
+
+    struct Names {
+        PyObject *handle, *nics, *nic, *writable, *length, *ptr, *address, *raw, *rkey;
+    };
+    static const Names& names() {
+        static const Names n{PyUnicode_InternFromString("handle"),   PyUnicode_InternFromString("nics"),
+                             PyUnicode_InternFromString("nic"),      PyUnicode_InternFromString("writable"),
+                             PyUnicode_InternFromString("length"),   PyUnicode_InternFromString("ptr"),
+                             PyUnicode_InternFromString("address"),  PyUnicode_InternFromString("raw"),
+                             PyUnicode_InternFromString("rkey")};
+        return n;
+    }
+
+    static py::object attr(PyObject* obj, PyObject* name) {
+        PyObject* v = PyObject_GetAttr(obj, name);
+        if (v == nullptr) PyErr_Clear();
+        return py::reinterpret_steal<py::object>(v);
+    }
+
+    // An exact int in [0, 2**63) (bools and numpy ints take the slow path).
+    static bool u63(PyObject* o, uint64_t& out) {
+        if (o == nullptr || !PyLong_CheckExact(o)) return false;
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+        if (v == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return false;
+        }
+        if (overflow != 0 || v < 0) return false;
+        out = static_cast<uint64_t>(v);
+        return true;
+    }
+
+    static bool u64(PyObject* o, uint64_t& out) {
+        if (o == nullptr || !PyLong_CheckExact(o)) return false;
+        unsigned long long v = PyLong_AsUnsignedLongLong(o);
+        if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+            PyErr_Clear();
+            return false;
+        }
+        out = v;
+        return true;
+    }
+
+    // None (when allowed: no imm, -1) or an exact int in [0, 2**32).
+    static bool imm_of(PyObject* o, bool allow_none, int64_t& out) {
+        if (o == Py_None) {
+            out = -1;
+            return allow_none;
+        }
+        uint64_t v;
+        if (!u63(o, v) || v >= (uint64_t(1) << 32)) return false;
+        out = static_cast<int64_t>(v);
+        return true;
+    }
+
+    bool route_of(PyObject* r, bool allow_peers, Route& out) const {
+        PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(r));
+        if (type == classes_.sharded.ptr()) {
+            py::object k = attr(r, names().nics);
+            if (!k) return false;
+            if (k.ptr() == Py_None) {
+                out.k = static_cast<uint32_t>(n_);
+                return true;
+            }
+            uint64_t v;
+            if (!u63(k.ptr(), v) || v < 1 || v > n_) return false;
+            out.k = static_cast<uint32_t>(v);
+            return true;
+        }
+        if (type == classes_.pinned.ptr()) {
+            py::object k = attr(r, names().nic);
+            uint64_t v;
+            if (!k || !u63(k.ptr(), v) || v >= n_) return false;
+            out.pin = true;
+            out.k = static_cast<uint32_t>(v);
+            return true;
+        }
+        return allow_peers && type == classes_.shard_peers.ptr();  // one destination: NIC ``rotation``
+    }
+
+    const Region* region(PyObject* src) const {
+        py::object h = attr(src, names().handle);
+        uint64_t handle;
+        if (!h || !u63(h.ptr(), handle)) return nullptr;
+        auto it = regions_.find(handle);
+        if (it == regions_.end() || it->second.obj.ptr() != src) return nullptr;
+        return &it->second;
+    }
+
+    TargetEntry* target(PyObject* desc) {
+        auto it = targets_.find(desc);
+        TargetEntry* t = it != targets_.end() ? &it->second : insert_target(desc);
+        if (t == nullptr) return nullptr;
+        if (guarded_) {
+            auto& closed = ClosedSet::instance();
+            uint64_t epoch = closed.epoch();
+            if (t->epoch != epoch) {
+                t->gone = closed.contains(t->target->addresses[0]);
+                t->epoch = epoch;
+            }
+            if (t->gone) return nullptr;
+        }
+        return t;
+    }
+
+    // A descriptor seen for the first time: check it as plan_request does, then cache it.
+    TargetEntry* insert_target(PyObject* desc) {
+        if (reinterpret_cast<PyObject*>(Py_TYPE(desc)) != classes_.descriptor.ptr()) return nullptr;
+        const Names& nm = names();
+        py::object writable = attr(desc, nm.writable), length = attr(desc, nm.length), ptr = attr(desc, nm.ptr),
+                   nics = attr(desc, nm.nics);
+        uint64_t len, base;
+        if (!writable || writable.ptr() != Py_True || !u63(length.ptr(), len) || !u64(ptr.ptr(), base) || !nics ||
+            !PyTuple_CheckExact(nics.ptr()) || static_cast<size_t>(PyTuple_GET_SIZE(nics.ptr())) != n_)
+            return nullptr;
+        auto target = std::make_shared<Target>();
+        target->remote_base = base;
+        for (size_t i = 0; i < n_; i++) {
+            PyObject* key = PyTuple_GET_ITEM(nics.ptr(), static_cast<Py_ssize_t>(i));
+            py::object address = attr(key, nm.address), rkey = attr(key, nm.rkey);
+            py::object raw = address ? attr(address.ptr(), nm.raw) : py::object();
+            uint64_t k;
+            if (!raw || !PyBytes_CheckExact(raw.ptr()) || !u64(rkey.ptr(), k)) return nullptr;
+            target->addresses.emplace_back(PyBytes_AS_STRING(raw.ptr()), static_cast<size_t>(PyBytes_GET_SIZE(raw.ptr())));
+            target->rkeys.push_back(k);
+        }
+        if (targets_.size() >= kMaxTargets) targets_.clear();
+        auto [it, _] = targets_.emplace(desc, TargetEntry{py::reinterpret_borrow<py::object>(desc), std::move(target), len});
+        return &it->second;
+    }
+
+    static std::unique_ptr<Request> start(uint64_t id, int64_t imm, const Region* reg, TargetEntry* t) {
+        auto req = std::make_unique<Request>();
+        req->id = id;
+        req->has_imm = imm >= 0;
+        req->imm = static_cast<uint32_t>(imm >= 0 ? imm : 0);
+        if (reg != nullptr) req->src_desc = reg->descs;
+        req->targets.push_back(t->target);
+        return req;
+    }
+
+    size_t n_;
+    uint64_t max_msg_;
+    Classes classes_;
+    bool guarded_;
+    std::unordered_map<uint64_t, Region> regions_;
+    std::unordered_map<PyObject*, TargetEntry> targets_;
+};
+
+}  // namespace fabric::fast
