@@ -199,7 +199,9 @@ def ceiling(session: nox.Session) -> None:
 @nox.session(name="efa-bench")
 def efa_bench(session: nox.Session) -> None:
     """fabric-efa against the raw-libfabric ceiling, alternating, 3 repetitions per provider;
-    JSON and plot to benchmarks/results (efa-vs-ceiling.*)."""
+    JSON and plot to benchmarks/results (efa-vs-ceiling.*). With FABRIC_PEERS_PYTHON (the python
+    of a separate environment holding Mooncake and NIXL: benchmarks/peers/README.md) the peers
+    run in the same repetitions."""
     _install(session, editable=False)
     _system_packages(session, "libfabric-dev", "gcc", "g++", "cmake", "pkg-config")
     session.install(*CONSTRAINTS, "pybind11", "scikit-build-core", "matplotlib")
@@ -213,6 +215,11 @@ def efa_bench(session: nox.Session) -> None:
         "benchmarks/efa_vs_ceiling.py",
         str(build),
         str(ROOT / "benchmarks" / "results"),
+        *(
+            ["--peers-python", os.environ["FABRIC_PEERS_PYTHON"]]
+            if os.environ.get("FABRIC_PEERS_PYTHON")
+            else []
+        ),
         *session.posargs,
     )
 

@@ -56,6 +56,13 @@ def _fabric(provider: str, tmp: Path) -> dict[str, Any]:
     return result
 
 
+def _peer_label(row: dict[str, Any]) -> str:
+    """``nixl-ucx shm`` from peer ``nixl-ucx`` and transport ``UCX_TLS=shm ...``."""
+    transport = str(row.get("transport", ""))
+    tls = transport.split("UCX_TLS=", 1)[1].split()[0] if "UCX_TLS=" in transport else transport
+    return f"{row['peer']} {tls}".strip() if tls and tls not in row["peer"] else str(row["peer"])
+
+
 def _peers(python: str) -> list[dict[str, Any]]:
     """Rows of every peer benchmark that runs here (a peer that fails is reported, not fatal)."""
     rows: list[dict[str, Any]] = []
@@ -105,8 +112,9 @@ def main() -> int:
                 submit.append(f["submit_cost_us"])
                 if args.peers_python and tag == "tcp":  # the peers run over TCP on loopback
                     for row in _peers(args.peers_python):
-                        peer_runs.setdefault((row["peer"], row["size"]), []).append(row["gbytes_per_s"])
-                        peer_meta[row["peer"]] = {k: row[k] for k in ("version", "transport") if k in row}
+                        label = _peer_label(row)
+                        peer_runs.setdefault((label, row["size"]), []).append(row["gbytes_per_s"])
+                        peer_meta[label] = {k: row[k] for k in ("peer", "version", "transport") if k in row}
             rows = []
             for s in SIZES:
                 fab = med(runs["fabric"][s])
