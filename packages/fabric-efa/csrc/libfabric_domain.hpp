@@ -15,6 +15,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include <fabric/engine.hpp>
 
@@ -155,6 +156,17 @@ class LibfabricDomain {
         return mr;
     }
 
+    // Registers an engine-owned buffer for local access (control-message bounce buffers):
+    // providers with FI_MR_LOCAL (efa) take no unregistered buffer. Closed with the domain.
+    void* local_desc(void* buf, size_t len) {
+        fid_mr* mr = nullptr;
+        uint64_t key = kLocalKeyBase + local_mrs_.size();  // apart from user keys (FI_MR_PROV_KEY unset)
+        int rc = fi_mr_reg(domain_, buf, len, FI_SEND | FI_RECV | FI_WRITE | FI_READ, 0, key, 0, &mr, nullptr);
+        if (rc != 0) throw LibfabricError("fi_mr_reg(control buffers)", rc);
+        local_mrs_.push_back(mr);
+        return fi_mr_desc(mr);
+    }
+
     int post_write(const WriteOp& w, void* ctx) {
         // A zero-length write (imm only) still names a valid local buffer and remote range:
         // some providers dereference them.
@@ -229,6 +241,8 @@ class LibfabricDomain {
   private:
     void close() {
         if (ep_) fi_close(&ep_->fid);
+        for (auto* mr : local_mrs_) fi_close(&mr->fid);
+        local_mrs_.clear();
         if (cq_) fi_close(&cq_->fid);
         if (av_) fi_close(&av_->fid);
         if (domain_) fi_close(&domain_->fid);
@@ -250,6 +264,8 @@ class LibfabricDomain {
     fid_ep* ep_ = nullptr;
     std::mutex av_mu_;
     std::string address_;
+    std::vector<fid_mr*> local_mrs_;
+    static constexpr uint64_t kLocalKeyBase = uint64_t(1) << 48;
 };
 
 }  // namespace fabric::efa

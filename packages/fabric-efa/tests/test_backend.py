@@ -43,3 +43,20 @@ def test_a_provider_that_is_not_here_is_unavailable_with_its_reason() -> None:
     assert not probe.available and "no-such-provider" in probe.reason
     with pytest.raises(BackendUnavailable, match="no-such-provider"):
         registry.open_engine("efa", efa_provider="no-such-provider")
+
+
+@pytest.mark.parametrize("provider", ["shm", "tcp;ofi_rxm"])
+def test_control_messages_beyond_the_bounce_pool_all_arrive(provider: str) -> None:
+    """Sends go through a pool of 64 registered bounce slots (FI_MR_LOCAL providers take no
+    other buffer): a burst of 300 waits for free slots and loses nothing."""
+    a = registry.open_engine("efa", efa_provider=provider)
+    b = registry.open_engine("efa", efa_provider=provider)
+    try:
+        sends = [a.submit_send(b.address, i.to_bytes(2, "little") * 100) for i in range(300)]
+        for t in sends:
+            t.wait(20)
+        got = sorted(int.from_bytes(b.recv(timeout=20).data[:2], "little") for _ in range(300))
+        assert got == list(range(300))
+    finally:
+        a.close()
+        b.close()

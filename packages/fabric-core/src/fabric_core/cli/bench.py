@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from dataclasses import asdict, dataclass, field
@@ -459,6 +460,10 @@ class _Sweep:
         """Pipelined windows: (ops, wall seconds, virtual seconds or 0). With ``baseline`` the
         phase counts towards the simulator's work-requests-per-second figure."""
         b, fabric, clock = self.budget, self.pair.fabric, self.pair.clock
+        if clock is None:
+            ops, wall = self.stream(submit, imm, window)
+            self.rate_wall += wall if baseline else 0.0
+            return ops, wall, 0.0
         ops, wall, virt, rounds = 0, 0.0, 0.0, 0
         self.settle()
         wrs0 = fabric.wrs_delivered if fabric is not None else 0
@@ -490,6 +495,33 @@ class _Sweep:
             self.rate_events += fabric.events - ev0
         self.rate_wall += wall
         return ops, wall, virt
+
+    def stream(self, submit: Callable[[], Transfer], imm: int, window: int) -> tuple[int, float]:
+        """A sliding window, as the raw-libfabric ceiling keeps one: ``window`` transfers in
+        flight, a new one submitted as the oldest completes, the target's count checked once at
+        the end (exactly what ``imms_at_target`` promised). Returns (ops, wall seconds)."""
+        b = self.budget
+        limit = self.iters if self.iters is not None else math.inf
+        pending: deque[Transfer] = deque()
+        ops = imms = 0
+        start = time.perf_counter()
+        while ops < limit:
+            if (
+                self.iters is None
+                and ops >= window * b.rate_min_rounds
+                and time.perf_counter() - start > b.rate_s
+            ):
+                break
+            if len(pending) >= window:
+                pending.popleft().wait(self.timeout)
+            transfer = submit()
+            pending.append(transfer)
+            imms += transfer.imms_at_target
+            ops += 1
+        for transfer in pending:
+            transfer.wait(self.timeout)
+        self.target.counted(imm, imms, self.timeout)
+        return ops, time.perf_counter() - start
 
     def verify_write(self, size: int, imm: int) -> int:
         """One write checked byte for byte (source offset and guard bytes included); its WR count."""

@@ -14,6 +14,8 @@
 //   int post_write(const WriteOp&, void* ctx);           // 0, -EAGAIN (retry later), -errno
 //   int post_send(const void* buf, size_t len, void* desc, uint64_t peer, void* ctx);
 //   int post_recv(void* buf, size_t len, void* desc, void* ctx);
+//   void* local_desc(void* buf, size_t len);             // register engine-owned buffers
+//                                                        // for local access; their descriptor
 //   template <class Sink> size_t poll(Sink&);            // calls sink.on_*(...) per entry
 // Sink callbacks: on_write_done(ctx), on_send_done(ctx), on_recv(ctx, len),
 //                 on_imm(uint32_t imm), on_error(ctx, status, message).
@@ -97,9 +99,8 @@ struct Request {
     std::shared_ptr<const std::vector<void*>> src_desc;  // per NIC; null: no source (imm-only)
     std::vector<std::shared_ptr<Target>> targets;
     std::vector<OpCtx> ops;
-    // two-sided send
+    // two-sided send: the payload is copied into a registered bounce slot when posted
     std::string payload;
-    void* payload_desc = nullptr;
     std::string send_to;
     bool resolve_only = false;  // complete once send_to resolves on NIC 0 (peer groups)
     // progress
@@ -140,13 +141,18 @@ class Engine {
           peers_(nics_.size()),
           recv_depth_(recv_depth),
           max_send_(max_send) {
-        recv_bufs_.resize(recv_depth_);
+        // Control messages move through registered buffers on NIC 0: receive buffers, and a
+        // pool of send slots the payloads are copied into when posted (FI_MR_LOCAL).
+        recv_arena_.resize(recv_depth_ * max_send_);
+        send_arena_.resize(kSendSlots * max_send_);
+        recv_desc_ = nics_[0]->local_desc(recv_arena_.data(), recv_arena_.size());
+        send_desc_ = nics_[0]->local_desc(send_arena_.data(), send_arena_.size());
+        for (uint32_t i = kSendSlots; i > 0; i--) free_slots_.push_back(i - 1);
         recv_ctx_.resize(recv_depth_);
         for (size_t i = 0; i < recv_depth_; i++) {
-            recv_bufs_[i].resize(max_send_);
             recv_ctx_[i].kind = 2;
             recv_ctx_[i].src = i;
-            int rc = nics_[0]->post_recv(recv_bufs_[i].data(), max_send_, nullptr, &recv_ctx_[i]);
+            int rc = nics_[0]->post_recv(recv_buf(i), max_send_, recv_desc_, &recv_ctx_[i]);
             if (rc != 0) throw std::runtime_error("posting control receive buffers failed: " + std::to_string(rc));
         }
         worker_ = std::thread([this, cpu] { run(cpu); });
@@ -169,10 +175,26 @@ class Engine {
     }
 
     // Blocks up to timeout_s for completions; returns whatever is ready (maybe nothing).
+    // Under load (more work was in flight when the first completions were published) it lets
+    // a small batch grow for a few microseconds: the caller pays one GIL acquisition and one
+    // wake-up per batch, so fewer, larger batches are cheaper. An idle engine's completion is
+    // handed over at once.
     Batch wait_batch(double timeout_s) {
+        static thread_local bool tight_slack = [] {
+#if defined(__linux__)
+            prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+#endif
+            return true;
+        }();
+        (void)tight_slack;
         std::unique_lock<std::mutex> lock(out_mu_);
         out_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s),
                          [this] { return !out_.empty() || stopped_; });
+        if (!stopped_ && out_.done.size() < kCoalesce && more_coming_.load(std::memory_order_relaxed)) {
+            lock.unlock();
+            std::this_thread::sleep_for(kCoalesceWait);
+            lock.lock();
+        }
         Batch b;
         std::swap(b, out_);
         return b;
@@ -236,7 +258,9 @@ class Engine {
                 empty = 0;
                 continue;
             }
-            if (++empty < kPollsBeforeYield) continue;
+            // A full NIC that completed nothing waits on the peer (on shm, on the peer's own
+            // progress): give the CPU away at once rather than spin against it.
+            if (++empty < kPollsBeforeYield && !full_) continue;
             if (inflight_ > 0) {
                 std::this_thread::yield();
                 last_work = clock::now();
@@ -319,6 +343,7 @@ class Engine {
 
     bool post_pending() {
         bool any = false;
+        full_ = false;
         for (uint32_t n = 0; n < nics_.size(); n++) {
             auto& q = pending_[n];
             unsigned budget = 256;
@@ -327,6 +352,7 @@ class Engine {
                 int rc = post(n, *op);
                 if (rc == -EAGAIN) {
                     eagain_++;
+                    full_ = true;
                     break;  // the NIC is full: poll, then retry
                 }
                 q.pop_front();
@@ -344,7 +370,13 @@ class Engine {
     int post(uint32_t n, OpCtx& op) {
         Request& r = *op.request;
         if (op.kind == 1) {
-            return nics_[n]->post_send(r.payload.data(), r.payload.size(), r.payload_desc, op.dst_off, &op);
+            if (op.src == 0) {  // first attempt: take a bounce slot (none free: retry later)
+                if (free_slots_.empty()) return -EAGAIN;
+                op.src = uint64_t(free_slots_.back()) + 1;
+                free_slots_.pop_back();
+                std::memcpy(send_slot(op.src - 1), r.payload.data(), r.payload.size());
+            }
+            return nics_[n]->post_send(send_slot(op.src - 1), r.payload.size(), send_desc_, op.dst_off, &op);
         }
         Target& t = *r.targets[op.target];
         if (t.peers.size() != nics_.size()) t.peers.assign(nics_.size(), Target::kUnresolved);
@@ -407,6 +439,10 @@ class Engine {
     }
 
     void settle(OpCtx& op) {
+        if (op.kind == 1 && op.src != 0) {  // the send's bounce slot is free again
+            free_slots_.push_back(static_cast<uint32_t>(op.src - 1));
+            op.src = 0;
+        }
         Request& r = *op.request;
         inflight_--;
         if (--r.left == 0) {
@@ -416,12 +452,13 @@ class Engine {
     }
 
     void got_message(OpCtx& op, size_t len) {
-        messages_.emplace_back(recv_bufs_[op.src].data(), len);
-        nics_[0]->post_recv(recv_bufs_[op.src].data(), max_send_, nullptr, &op);
+        messages_.emplace_back(recv_buf(op.src), len);
+        nics_[0]->post_recv(recv_buf(op.src), max_send_, recv_desc_, &op);
     }
 
     void publish() {
         if (ready_.empty() && imm_counts_.empty() && messages_.empty()) return;
+        more_coming_.store(inflight_ > 0, std::memory_order_relaxed);
         if (chaos_) std::shuffle(ready_.begin(), ready_.end(), rng_);
         {
             std::lock_guard<std::mutex> lock(out_mu_);
@@ -456,13 +493,24 @@ class Engine {
     std::vector<std::deque<OpCtx*>> pending_;
     std::vector<std::unordered_map<std::string, uint64_t>> peers_;
     std::unordered_map<uint64_t, std::unique_ptr<Request>> live_;
+    static constexpr size_t kCoalesce = 32;
+    static constexpr std::chrono::microseconds kCoalesceWait{10};
+    std::atomic<bool> more_coming_{false};  // work was in flight at the last publication
     size_t inflight_ = 0;
+    bool full_ = false;  // the last posting pass met EAGAIN
     std::vector<Completion> ready_;
     std::unordered_map<uint32_t, uint64_t> imm_counts_;
     std::vector<std::string> messages_;
     size_t recv_depth_;
     size_t max_send_;
-    std::vector<std::vector<char>> recv_bufs_;
+    char* recv_buf(size_t i) { return recv_arena_.data() + i * max_send_; }
+    char* send_slot(size_t i) { return send_arena_.data() + i * max_send_; }
+    static constexpr uint32_t kSendSlots = 64;
+    std::vector<char> recv_arena_;
+    std::vector<char> send_arena_;
+    void* recv_desc_ = nullptr;
+    void* send_desc_ = nullptr;
+    std::vector<uint32_t> free_slots_;  // worker only
     std::vector<OpCtx> recv_ctx_;
 
     std::mutex out_mu_;
