@@ -162,8 +162,10 @@ def _efa(session: nox.Session) -> None:
         "-q",
         "--fabric-seeds",
         os.environ.get("FABRIC_EFA_SEEDS", "2"),
+        "--cov=fabric_efa",
+        "--cov-report=term",
         *session.posargs,
-        env={"FI_TCP_IFACE": "lo"},
+        env={"FI_TCP_IFACE": "lo", "COVERAGE_FILE": str(ROOT / ".coverage.efa")},
     )
 
 
