@@ -191,6 +191,11 @@ def test_bench_without_link_model_reports_wall_clock_only(tmp_path: Path) -> Non
     assert "sim lat" not in result.output
 
 
+def test_bench_pages_sets_the_pages_of_each_paged_write(tmp_path: Path) -> None:
+    _, doc = bench_json(tmp_path, "--backend", "sim", "--quick", "--sizes", "4K", "--pages", "40")
+    assert doc["paged"]["pages"] == 40 and doc["paged"]["imms_per_write"] == 40
+
+
 def test_bench_options_size_filter_iters_nics_seed(tmp_path: Path) -> None:
     _, doc = bench_json(
         tmp_path,

@@ -9,6 +9,8 @@
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
 
+#include <signal.h>
+
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -33,6 +35,34 @@ class LibfabricError : public std::runtime_error {
 
 inline void check(int rc, const char* what) {
     if (rc != 0) throw LibfabricError(what, rc);
+}
+
+// Keeps the process's handlers of the fatal and interrupt signals across a libfabric call that
+// may load and initialise providers: some provider libraries (PSM) install handlers that
+// print a backtrace and exit(1), which would turn Python's Ctrl-C into a silent exit.
+class SignalGuard {
+  public:
+    SignalGuard() {
+        for (size_t i = 0; i < kCount; i++) saved_[i] = sigaction(kSignals[i], nullptr, &old_[i]) == 0;
+    }
+    ~SignalGuard() {
+        for (size_t i = 0; i < kCount; i++)
+            if (saved_[i]) sigaction(kSignals[i], &old_[i], nullptr);
+    }
+    SignalGuard(const SignalGuard&) = delete;
+    SignalGuard& operator=(const SignalGuard&) = delete;
+
+  private:
+    static constexpr int kSignals[] = {SIGINT, SIGTERM, SIGSEGV, SIGBUS, SIGILL, SIGABRT, SIGFPE};
+    static constexpr size_t kCount = sizeof(kSignals) / sizeof(kSignals[0]);
+    struct sigaction old_[kCount] = {};
+    bool saved_[kCount] = {};
+};
+
+// fi_getinfo with the process's signal handlers kept (the first call initialises providers).
+inline int getinfo(fi_info* hints, fi_info** out) {
+    SignalGuard guard;
+    return fi_getinfo(FI_VERSION(1, 17), nullptr, nullptr, 0, hints, out);
 }
 
 inline int32_t status_of(int err) {
@@ -79,10 +109,11 @@ class LibfabricDomain {
         hints->domain_attr->threading = FI_THREAD_SAFE;
         hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
         hints->fabric_attr->prov_name = strdup(provider.c_str());
-        int rc = fi_getinfo(FI_VERSION(1, 17), nullptr, nullptr, 0, hints, &info_);
+        int rc = getinfo(hints, &info_);
         fi_freeinfo(hints);
         if (rc != 0) throw LibfabricError("fi_getinfo(" + provider + ")", rc);
         try {
+            SignalGuard guard;
             check(fi_fabric(info_->fabric_attr, &fabric_, nullptr), "fi_fabric");
             check(fi_domain(fabric_, info_, &domain_, nullptr), "fi_domain");
             fi_av_attr av_attr{};

@@ -16,6 +16,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include <fabric/pycounters.hpp>
 #include <fabric/pyfast.hpp>
 
 #include "libfabric_domain.hpp"
@@ -47,11 +48,14 @@ class EfaEngine {
         for (int i = 0; i < nics; i++) domains.push_back(std::make_unique<LibfabricDomain>(provider, i, 4096));
         for (auto& d : domains) addresses_.push_back(d->address());
         info_ = domains[0]->info();
-        engine_ = std::make_unique<fabric::Engine<LibfabricDomain>>(std::move(domains), chaos_seed.value_or(0),
-                                                                   chaos_seed.has_value(), cpu, recv_depth, max_send);
+        engine_ = std::make_unique<fabric::Engine<LibfabricDomain>>(
+            std::move(domains), counters_, chaos_seed.value_or(0), chaos_seed.has_value(), cpu, recv_depth, max_send);
     }
 
     ~EfaEngine() { close(); }
+
+    // The imm counter table the worker fills (it outlives the engine: waits after close fail).
+    std::shared_ptr<fabric::CounterTable> counters() const { return counters_; }
 
     std::vector<py::bytes> addresses() const {
         std::vector<py::bytes> out;
@@ -231,17 +235,24 @@ class EfaEngine {
     // Resolves a peer on the worker (which owns the address cache); completes like a transfer.
     void check_peer(uint64_t id, py::bytes address) { submit_to(id, address, py::bytes(), true); }
 
+    // (ids completed successfully, (id, status, message) of failed ones, tokens of counter
+    // waiters the imms fired, messages)
     py::tuple wait_batch(double timeout_s) {
         fabric::Batch b;
         {
             py::gil_scoped_release release;
             b = engine_->wait_batch(timeout_s);
         }
-        py::list done, imms, messages;
-        for (auto& c : b.done) done.append(py::make_tuple(c.id, c.status, c.message));
-        for (auto& [imm, n] : b.imms) imms.append(py::make_tuple(imm, n));
+        py::list ok, failed, messages;
+        for (auto& c : b.done) {
+            if (c.status == fabric::kOk) {
+                ok.append(py::int_(c.id));
+            } else {
+                failed.append(py::make_tuple(c.id, c.status, c.message));
+            }
+        }
         for (auto& m : b.messages) messages.append(py::bytes(m));
-        return py::make_tuple(done, imms, messages);
+        return py::make_tuple(ok, failed, py::cast(b.fired), messages);
     }
 
     py::dict stats() const {
@@ -304,6 +315,7 @@ class EfaEngine {
 
     std::vector<std::string> addresses_;
     fabric::efa::ProviderInfo info_;
+    std::shared_ptr<fabric::CounterTable> counters_ = std::make_shared<fabric::CounterTable>();
     std::unique_ptr<fabric::Engine<LibfabricDomain>> engine_;
     std::mutex mu_;
     std::unordered_map<uint64_t, Registration> regs_;
@@ -324,7 +336,7 @@ std::optional<std::string> probe(const std::string& provider) {
     hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
     hints->fabric_attr->prov_name = strdup(provider.c_str());
     fi_info* info = nullptr;
-    int rc = fi_getinfo(FI_VERSION(1, 17), nullptr, nullptr, 0, hints, &info);
+    int rc = fabric::efa::getinfo(hints, &info);
     fi_freeinfo(hints);
     if (info) fi_freeinfo(info);
     if (rc != 0) return std::string("fi_getinfo found no RDM endpoint on provider '") + provider + "': " + fi_strerror(-rc);
@@ -336,6 +348,7 @@ std::optional<std::string> probe(const std::string& provider) {
 PYBIND11_MODULE(_efa, m) {
     m.doc() = "libfabric engine of fabric-efa (compiled)";
     static py::exception<LibfabricError> error(m, "LibfabricError", PyExc_RuntimeError);
+    fabric::bind_counter_table(m);
     m.def("probe", &probe, py::arg("provider"));
     m.def("close_address", [](py::bytes a) { fabric::fast::ClosedSet::instance().add(a); }, py::arg("address"));
     m.def("reopen_address", [](py::bytes a) { fabric::fast::ClosedSet::instance().remove(a); }, py::arg("address"));
@@ -348,6 +361,7 @@ PYBIND11_MODULE(_efa, m) {
         .def(py::init<const std::string&, int, std::optional<uint64_t>, int, size_t, size_t>(), py::arg("provider"),
              py::arg("nics"), py::arg("chaos_seed"), py::arg("cpu"), py::arg("recv_depth"), py::arg("max_send"))
         .def("addresses", &EfaEngine::addresses)
+        .def("counters", &EfaEngine::counters)
         .def("provider_info", &EfaEngine::provider_info)
         .def("register_memory", &EfaEngine::register_memory, py::arg("ptr"), py::arg("length"), py::arg("remote_write"))
         .def("deregister", &EfaEngine::deregister, py::arg("handle"))

@@ -60,3 +60,20 @@ def test_control_messages_beyond_the_bounce_pool_all_arrive(provider: str) -> No
     finally:
         a.close()
         b.close()
+
+
+def test_loading_libfabric_keeps_pythons_ctrl_c_and_crash_handlers() -> None:
+    """Debian's libfabric pulls in PSM libraries whose constructors take over SIGINT (and the
+    fatal signals) with a handler that exits with status 1: Ctrl-C must stay KeyboardInterrupt
+    after importing the backend and opening an engine."""
+    code = (
+        "import faulthandler, os, signal, sys\n"
+        "faulthandler.enable()\n"
+        "from fabric_core import registry\n"
+        "registry.open_engine('efa', efa_provider='shm').close()\n"
+        "try:\n    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    for _ in range(10**7): pass\n"
+        "except KeyboardInterrupt:\n    print('interrupted')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "interrupted", (done.returncode, done.stderr)

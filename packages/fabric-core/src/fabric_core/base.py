@@ -69,9 +69,13 @@ class EngineBase(TransferEngine):
         self._stat_submitted = self._stat_completed = self._stat_failed = 0
         self._stat_wrs = self._stat_bytes = 0
         self._dispatch = CallbackDispatcher(thread_name)
-        self._counters = CounterTable(self._dispatch)
+        self._counters = self._new_counter_table()
 
     # --- hooks ---------------------------------------------------------------------
+    def _new_counter_table(self) -> CounterTable:
+        """The imm counter table (compiled backends return a ``NativeCounterTable``)."""
+        return CounterTable(self._dispatch)
+
     @abstractmethod
     def _backend_register(
         self, span: MemorySpan, writable: bool, handle: int

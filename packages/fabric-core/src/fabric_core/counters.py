@@ -3,25 +3,32 @@
 Every imm value has a count from engine start: an imm that arrives before anyone waits is
 counted, never lost. Waits consume counts in the order they were made (FIFO), so several
 waiters on one imm each get their share and a re-arm never discards counts.
+
+``CounterTable`` is the reference implementation in Python (the simulator's). Compiled
+backends keep the table in C++ (``fabric/counters.hpp``), where their worker counts imms as it
+polls them, and use ``NativeCounterTable``: the same semantics, with ``wait`` woken by the
+worker itself rather than through a Python thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import threading
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
-from .errors import ConfigError, TransferTimeout
+from .errors import ConfigError, EngineClosed, PeerUnreachable, TransferTimeout
 from .models import DomainAddress
 from .transfer import CallbackDispatcher
 
-__all__ = ["CounterTable", "Expectation", "ImmCounter", "check_imm"]
+__all__ = ["CounterTable", "Expectation", "ImmCounter", "NativeCounterTable", "NativeTable", "check_imm"]
 
 IMM_LIMIT = 1 << 32
 
@@ -42,6 +49,8 @@ class _Waiter:
     peer: bytes | None = None
     settled: bool = False
     error: BaseException | None = None
+    token: int = 0  # NativeCounterTable: the C++ table's handle of this waiter
+    abandoned: bool = False  # NativeCounterTable: cancelled while its firing was under way
 
 
 @dataclass
@@ -76,13 +85,18 @@ class CounterTable:
         self._slots: dict[int, _Slot] = {}
         self._dispatch = dispatcher
         self._lost: dict[bytes, BaseException] = {}
-        self.imms_received = 0
+        self._received = 0
+
+    @property
+    def imms_received(self) -> int:
+        """Imms counted since engine start (consumed or not)."""
+        return self._received
 
     def add(self, imm: int, n: int = 1) -> None:
         """Count ``n`` arrivals of ``imm`` and settle the waiters they satisfy."""
         fired: list[_Waiter] = []
         with self._lock:
-            self.imms_received += n
+            self._received += n
             slot = self._slots.get(imm)
             if slot is None:
                 slot = self._slots[imm] = _Slot()
@@ -146,11 +160,17 @@ class CounterTable:
             w.fire(None)
         return seen
 
+    def _cancel(self, imm: int, waiter: _Waiter) -> None:
+        """Withdraw a waiter whose caller gave up (asyncio cancellation): if it fired as it
+        was cancelled, its counts go back to the table."""
+        if not self._remove(imm, waiter) and waiter.error is None:
+            self._refund(imm, waiter.n)
+
     def _refund(self, imm: int, n: int) -> None:
         """Return consumed counts (a waiter was cancelled just as it fired)."""
         self.add(imm, n)
         with self._lock:
-            self.imms_received -= n
+            self._received -= n
 
     def fail_peer(self, peer: bytes, exc: BaseException) -> None:
         """Fail every waiter that named ``peer`` as the one it depends on, and every later
@@ -305,8 +325,7 @@ class TableCounter(ImmCounter):
                 raise self._timeout(n, limit, seen) from None
             await fut  # it fired meanwhile: the counts are ours
         except asyncio.CancelledError:
-            if not self._table._remove(self.imm, waiter) and waiter.error is None:
-                self._table._refund(self.imm, n)  # fired as we were cancelled: give counts back
+            self._table._cancel(self.imm, waiter)  # fired as we were cancelled: counts go back
             raise
 
     def expect(
@@ -339,3 +358,148 @@ class TableCounter(ImmCounter):
 
     def __repr__(self) -> str:
         return f"<ImmCounter imm={self.imm:#x} value={self.value}>"
+
+
+# --- the C++ table ---------------------------------------------------------------------------
+_OK, _QUEUED, _TIMEOUT, _PEER_LOST, _FAILED = range(5)  # fabric/counters.hpp CounterCode
+
+
+class NativeTable(Protocol):
+    """What a compiled backend's ``CounterTable`` binding offers (fabric/pycounters.hpp)."""
+
+    def add(self, imm: int, n: int, received: bool) -> list[int]: ...
+    def value(self, imm: int) -> int: ...
+    def snapshot(self) -> list[tuple[int, int]]: ...
+    def received(self) -> int: ...
+    def arm(self, imm: int, n: int, peer: bytes, token: int) -> int: ...
+    def withdraw(self, imm: int, token: int) -> tuple[int, list[int]]: ...
+    def wait(
+        self, imm: int, n: int, peer: bytes, timeout_s: float
+    ) -> tuple[int, int, list[int], BaseException | None]: ...
+    def fail_peer(self, peer: bytes) -> list[int]: ...
+    def revive_peer(self, peer: bytes) -> None: ...
+    def fail_all(self) -> list[int]: ...
+
+
+class NativeCounterTable(CounterTable):
+    """``CounterTable`` over a C++ table that the engine's worker fills as it polls.
+
+    Counts, FIFO queues and peer state live in C++. Blocking waits run there with the GIL
+    released; asyncio waits and ``expect`` callbacks queue a token, and the tokens the worker
+    fires come back through the backend's completion thread (``fire_tokens``).
+    """
+
+    def __init__(self, native: NativeTable, dispatcher: CallbackDispatcher | None = None) -> None:
+        super().__init__(dispatcher)
+        self._native = native
+        self._tokens = itertools.count(1)
+        # queued token waiters and their imms (single dict operations are atomic)
+        self._waiters: dict[int, tuple[_Waiter, int]] = {}
+        self._failure: BaseException | None = None
+
+    @property
+    def imms_received(self) -> int:
+        return self._native.received()
+
+    def fire_tokens(self, tokens: Iterable[int], exc: BaseException | None = None) -> None:
+        """Run the waiters behind ``tokens`` (fired, or failed with ``exc``)."""
+        for token in tokens:
+            entry = self._waiters.pop(token, None)
+            if entry is None:
+                continue
+            w, imm = entry
+            with self._lock:
+                w.settled = True
+                w.error = exc
+                give_back = w.abandoned and exc is None
+            if give_back:
+                self._refund(imm, w.n)
+            else:
+                w.fire(exc)
+
+    def add(self, imm: int, n: int = 1) -> None:
+        self.fire_tokens(self._native.add(imm, n, True))
+
+    def value(self, imm: int) -> int:
+        return self._native.value(imm)
+
+    def snapshot(self) -> dict[int, int]:
+        return dict(self._native.snapshot())
+
+    def _arm(self, imm: int, waiter: _Waiter) -> bool:
+        waiter.token = token = next(self._tokens)
+        self._waiters[token] = (waiter, imm)  # before arming: the worker may fire it at once
+        code = self._native.arm(imm, waiter.n, waiter.peer or b"", token)
+        if code == _QUEUED:
+            return False
+        self._waiters.pop(token, None)
+        if code == _PEER_LOST:
+            raise self.lost_error(waiter.peer or b"")
+        waiter.settled = True
+        return True
+
+    def _withdraw(self, imm: int, waiter: _Waiter) -> int | None:
+        seen, fired = self._native.withdraw(imm, waiter.token)
+        self.fire_tokens(fired)
+        if seen < 0:
+            return None  # fired or failed: its token is (or is about to be) fired
+        self._waiters.pop(waiter.token, None)
+        waiter.settled = True
+        return seen
+
+    def _cancel(self, imm: int, waiter: _Waiter) -> None:
+        if self._remove(imm, waiter):
+            return
+        # It fired or failed in C++; its token may not have reached fire_tokens yet. Whichever
+        # of the two sees both flags gives the counts back (failed waiters consumed none).
+        with self._lock:
+            waiter.abandoned = True
+            give_back = waiter.settled and waiter.error is None
+        if give_back:
+            self._refund(imm, waiter.n)
+
+    def _refund(self, imm: int, n: int) -> None:
+        self.fire_tokens(self._native.add(imm, n, False))
+
+    def lost_error(self, peer: bytes) -> BaseException:
+        exc = self._lost.get(peer)
+        return exc if exc is not None else PeerUnreachable(f"peer {peer.hex()} is gone", peer=peer.hex())
+
+    def fail_peer(self, peer: bytes, exc: BaseException) -> None:
+        self._lost[peer] = exc
+        self.fire_tokens(self._native.fail_peer(peer), exc)
+
+    def revive_peer(self, peer: bytes) -> None:
+        self._native.revive_peer(peer)
+        self._lost.pop(peer, None)
+
+    def fail_all(self, exc: BaseException) -> None:
+        self._failure = exc
+        self.fire_tokens(self._native.fail_all(), exc)
+
+    def counter(self, imm: int, default_timeout: float) -> ImmCounter:
+        return NativeCounter(self, check_imm(imm), default_timeout)
+
+
+class NativeCounter(TableCounter):
+    """A counter of a ``NativeCounterTable``: ``wait`` blocks in C++ (GIL released)."""
+
+    _table: NativeCounterTable
+
+    def wait(self, n: int = 1, timeout: float | None = None, *, peer: DomainAddress | None = None) -> None:
+        n = _check_n(n)
+        limit = self._default_timeout if timeout is None else timeout
+        raw = peer.raw if peer is not None else b""
+        table = self._table
+        code, seen, fired, interrupted = table._native.wait(self.imm, n, raw, limit)
+        if fired:
+            table.fire_tokens(fired)
+        if interrupted is not None:
+            raise interrupted
+        if code == _OK:
+            return
+        if code == _TIMEOUT:
+            raise self._timeout(n, limit, seen)
+        if code == _PEER_LOST:
+            raise table.lost_error(raw)
+        raise table._failure or EngineClosed("engine closed while waiting on a counter")

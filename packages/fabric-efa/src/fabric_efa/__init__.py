@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 
 from fabric_core.api import API_VERSION, Backend, ProbeResult, TransferEngine
@@ -9,20 +10,31 @@ from fabric_core.errors import BackendUnavailable
 from fabric_core.models import Device, TopologyGroup
 from fabric_core.settings import FabricSettings
 
+from ._signals import preserved
+
 __all__ = ["EfaBackend"]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
+# The first load of the compiled module (and of libfabric with it) happens here, with the
+# process's signal handlers kept (see _signals). A missing libfabric is reported by _native().
+with preserved():
+    try:
+        from . import _efa  # noqa: F401
+    except ImportError:
+        pass
+
 
 def _native() -> object:
     try:
-        from . import _efa
+        with preserved():
+            native = importlib.import_module(f"{__name__}._efa")  # honours sys.modules
     except ImportError as exc:  # the module exists but libfabric.so is missing or broken
         raise BackendUnavailable(
             "efa",
             f"the compiled module cannot load libfabric ({exc}); install it: sudo apt-get install libfabric1",
         ) from exc
-    return _efa
+    return native
 
 
 class EfaBackend(Backend):

@@ -12,6 +12,7 @@ from typing import Any
 
 from fabric_core.api import EngineStats
 from fabric_core.base import EngineBase, Registration
+from fabric_core.counters import CounterTable, NativeCounterTable
 from fabric_core.errors import (
     BackendUnavailable,
     EngineClosed,
@@ -246,33 +247,41 @@ class EfaEngine(EngineBase):
 
     # --- completion path: one GIL acquisition per batch ------------------------------
     def _complete(self) -> None:
+        pop = self._inflight.pop
+        counters = self._native_counters
         while True:
-            done, imms, messages = self._core.wait_batch(0.05)
-            for xfer_id, status, message in done:
-                transfer = self._inflight.pop(xfer_id, None)
-                if transfer is None:
-                    continue
-                if status == 0:
+            ok, failed, fired, messages = self._core.wait_batch(0.05)
+            if fired:  # asyncio waits and expect callbacks the imms satisfied
+                counters.fire_tokens(fired)
+            for xfer_id in ok:
+                transfer = pop(xfer_id, None)
+                if transfer is not None:
                     self._stat_completed += 1
                     transfer._resolve(None)
-                else:
-                    self._stat_failed += 1
-                    exc: FabricError = (
-                        EngineClosed(message)
-                        if status == _CLOSED
-                        else _STATUS.get(status, TransportError)(message, transfer_id=xfer_id)
-                    )
-                    transfer._resolve(exc)
-            for imm, count in imms:
-                self._counters.add(imm, count)
+            for xfer_id, status, message in failed:
+                transfer = pop(xfer_id, None)
+                if transfer is None:
+                    continue
+                self._stat_failed += 1
+                exc: FabricError = (
+                    EngineClosed(message)
+                    if status == _CLOSED
+                    else _STATUS.get(status, TransportError)(message, transfer_id=xfer_id)
+                )
+                transfer._resolve(exc)
             for raw in messages:
                 (alen,) = _HEADER.unpack_from(raw)
                 peer = DomainAddress(raw=raw[1 : 1 + alen])
                 self._enqueue_message(Message(peer, raw[1 + alen :]))
-            if self._stop and not done and not imms and not messages:
+            if self._stop and not ok and not failed and not fired and not messages:
                 return
 
     # --- hooks -----------------------------------------------------------------------
+    def _new_counter_table(self) -> CounterTable:
+        # the worker counts imms into the C++ table; blocking waits wake from there
+        self._native_counters = NativeCounterTable(self._core.counters(), self._dispatch)
+        return self._native_counters
+
     def _backend_register(
         self, span: MemorySpan, writable: bool, handle: int
     ) -> tuple[tuple[int, ...], object]:

@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +67,8 @@ MAX_SIZE = 1 << 30
 DEFAULT_SIM_LINK = "cx7-400g"
 GUARD = 64
 """Bytes after each checked write that must stay untouched."""
-PAGES = 256
+PAGES = 1024
+"""Pages per paged request in a full sweep: a prompt's KV cache moves in requests of 1,000+."""
 PAGE_BYTES = 4096
 IMM_BASE = 0xFAB0_0000
 
@@ -85,6 +86,7 @@ class Budget:
     window_max: int
     submit_calls: int
     paged_window: int
+    pages: int = PAGES
 
     def window(self, size: int) -> int:
         return max(1, min(self.window_max, self.window_bytes // size))
@@ -111,6 +113,7 @@ QUICK_BUDGET = Budget(
     window_max=16,
     submit_calls=200,
     paged_window=2,
+    pages=256,
 )
 
 
@@ -579,9 +582,10 @@ class _Sweep:
         return result
 
     def paged(self) -> PagedResult:
-        """256 pages of 4 KiB to a shuffled page list, one imm per page."""
-        src_pages = np.arange(PAGES, dtype=np.int64)
-        dst_pages = np.random.default_rng(self.next_imm).permutation(PAGES).astype(np.int64)
+        """``budget.pages`` pages of 4 KiB to a shuffled page list, one imm per page."""
+        pages = self.budget.pages
+        src_pages = np.arange(pages, dtype=np.int64)
+        dst_pages = np.random.default_rng(self.next_imm).permutation(pages).astype(np.int64)
         desc = self.desc
 
         def submit(imm: int) -> Transfer:
@@ -590,10 +594,10 @@ class _Sweep:
             )
 
         check_imm = self.imm()
-        self.target.zero(PAGES * PAGE_BYTES)
+        self.target.zero(pages * PAGE_BYTES)
         self.complete([submit(check_imm)], check_imm)
-        expected = np.empty((PAGES, PAGE_BYTES), dtype=np.uint8)
-        expected[dst_pages] = self.src[: PAGES * PAGE_BYTES].reshape(PAGES, PAGE_BYTES)
+        expected = np.empty((pages, PAGE_BYTES), dtype=np.uint8)
+        expected[dst_pages] = self.src[: pages * PAGE_BYTES].reshape(pages, PAGE_BYTES)
         if self.target.mismatch(0, expected.reshape(-1)) is not None:
             raise BenchFailure("data check failed for the paged write: pages landed in the wrong place")
 
@@ -608,19 +612,19 @@ class _Sweep:
 
         p50, p99 = _percentiles_us(wall)
         result = PagedResult(
-            pages=PAGES,
+            pages=pages,
             page_bytes=PAGE_BYTES,
             iters=len(wall),
             ops=ops,
             latency_us_p50=p50,
             latency_us_p99=p99,
-            pages_per_s=ops * PAGES / rate_wall,
-            bandwidth_gbps=ops * PAGES * PAGE_BYTES * 8 / rate_wall / 1e9,
+            pages_per_s=ops * pages / rate_wall,
+            bandwidth_gbps=ops * pages * PAGE_BYTES * 8 / rate_wall / 1e9,
             submit_cost_us=float(np.median(costs)) * 1e6,
         )
         if virt and rate_virt > 0:
             result.sim_latency_us_p50 = _percentiles_us(virt)[0]
-            result.sim_pages_per_s = ops * PAGES / rate_virt
+            result.sim_pages_per_s = ops * pages / rate_virt
         return result
 
     def submit_costs(self, submit: Callable[[], Transfer], imm: int, calls: int) -> list[float]:
@@ -667,7 +671,7 @@ def run_sweep(
         started=started.isoformat(timespec="seconds"),
         latency="round-trip" if pair.target.round_trip else "one-way",
     )
-    sweep = _Sweep(pair, max(max(sizes), PAGES * PAGE_BYTES), budget, iters, seed, timeout)
+    sweep = _Sweep(pair, max(max(sizes), budget.pages * PAGE_BYTES), budget, iters, seed, timeout)
     try:
         cost_imm = sweep.imm()
         desc = sweep.desc
@@ -839,6 +843,12 @@ def _print_summary(report: BenchReport) -> None:
 )
 @click.option("--quick", is_flag=True, help="A sweep of a few seconds: fewer iterations and smaller windows.")
 @click.option(
+    "--pages",
+    type=click.IntRange(1, 1 << 20),
+    default=None,
+    help=f"Pages of {PAGE_BYTES // 1024} KiB per paged write.  [default: {PAGES}, 256 with --quick]",
+)
+@click.option(
     "--server",
     is_flag=True,
     help="Run the target side only: open an engine, wait for one client on --listen, serve it, exit.",
@@ -868,6 +878,7 @@ def bench(
     seed: int | None,
     json_path: Path | None,
     quick: bool,
+    pages: int | None,
     server: bool,
     listen: str,
     connect: str | None,
@@ -919,6 +930,8 @@ def bench(
         link_name = None
     run_seed = settings.sim_seed if seed is None else seed
     budget = QUICK_BUDGET if quick else DEFAULT_BUDGET
+    if pages is not None:
+        budget = replace(budget, pages=pages)
     if server and connect is not None:
         raise click.UsageError("--server and --connect name the two sides: give one of them")
     if (server or connect is not None) and resolved == "sim":

@@ -44,6 +44,7 @@
 #include <sys/prctl.h>
 #endif
 
+#include "counters.hpp"
 #include "mpsc_queue.hpp"
 
 namespace fabric {
@@ -117,9 +118,9 @@ struct Completion {
 
 struct Batch {
     std::vector<Completion> done;
-    std::vector<std::pair<uint32_t, uint64_t>> imms;  // imm, count
+    std::vector<uint64_t> fired;  // tokens of counter waiters (asyncio, expect) the imms fired
     std::vector<std::string> messages;
-    bool empty() const { return done.empty() && imms.empty() && messages.empty(); }
+    bool empty() const { return done.empty() && fired.empty() && messages.empty(); }
 };
 
 struct EngineStats {
@@ -132,9 +133,10 @@ struct EngineStats {
 template <class Domain>
 class Engine {
   public:
-    Engine(std::vector<std::unique_ptr<Domain>> nics, uint64_t chaos_seed, bool chaos, int cpu,
-           size_t recv_depth, size_t max_send)
+    Engine(std::vector<std::unique_ptr<Domain>> nics, std::shared_ptr<CounterTable> counters, uint64_t chaos_seed,
+           bool chaos, int cpu, size_t recv_depth, size_t max_send)
         : nics_(std::move(nics)),
+          counters_(std::move(counters)),
           chaos_(chaos),
           rng_(chaos_seed),
           pending_(nics_.size()),
@@ -165,6 +167,7 @@ class Engine {
 
     size_t num_nics() const { return nics_.size(); }
     Domain& nic(size_t i) { return *nics_.at(i); }
+    CounterTable& counters() { return *counters_; }
 
     void submit(std::unique_ptr<Request> req) {
         queue_.push(std::move(req));
@@ -457,18 +460,27 @@ class Engine {
     }
 
     void publish() {
-        if (ready_.empty() && imm_counts_.empty() && messages_.empty()) return;
+        // Imms first, straight into the counter table: a thread blocked on a counter wakes
+        // now, from this thread, not after a hand-off through Python.
+        if (!imm_counts_.empty()) {
+            counters_->add(imm_counts_, fired_);
+            imm_counts_.clear();
+        }
+        if (ready_.empty() && fired_.empty() && messages_.empty()) return;
         more_coming_.store(inflight_ > 0, std::memory_order_relaxed);
-        if (chaos_) std::shuffle(ready_.begin(), ready_.end(), rng_);
+        if (chaos_) {
+            std::shuffle(ready_.begin(), ready_.end(), rng_);
+            std::shuffle(fired_.begin(), fired_.end(), rng_);
+        }
         {
             std::lock_guard<std::mutex> lock(out_mu_);
             for (auto& c : ready_) out_.done.push_back(std::move(c));
-            for (auto& [imm, n] : imm_counts_) out_.imms.emplace_back(imm, n);
+            out_.fired.insert(out_.fired.end(), fired_.begin(), fired_.end());
             for (auto& m : messages_) out_.messages.push_back(std::move(m));
         }
         out_cv_.notify_one();
         ready_.clear();
-        imm_counts_.clear();
+        fired_.clear();
         messages_.clear();
     }
 
@@ -487,6 +499,7 @@ class Engine {
     }
 
     std::vector<std::unique_ptr<Domain>> nics_;
+    std::shared_ptr<CounterTable> counters_;
     bool chaos_;
     std::mt19937_64 rng_;
     MpscQueue<Request> queue_;
@@ -499,7 +512,8 @@ class Engine {
     size_t inflight_ = 0;
     bool full_ = false;  // the last posting pass met EAGAIN
     std::vector<Completion> ready_;
-    std::unordered_map<uint32_t, uint64_t> imm_counts_;
+    std::unordered_map<uint32_t, uint64_t> imm_counts_;  // polled, not yet in counters_
+    CounterTable::Tokens fired_;
     std::vector<std::string> messages_;
     size_t recv_depth_;
     size_t max_send_;

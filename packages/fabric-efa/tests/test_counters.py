@@ -1,0 +1,198 @@
+"""The C++ counter table (fabric/counters.hpp) behind fabric_core's NativeCounterTable.
+
+The Python ``CounterTable`` is the reference: random sequences of operations run on both and
+must fire the same waiters with the same outcomes and leave the same counts. Then what only
+the native table does: blocking waits woken by another thread, timeouts that unblock waiters
+behind them, Ctrl-C in a wait, and waits on a live engine's worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fabric_core import open_engine
+from fabric_core.counters import CounterTable, Expectation, NativeCounterTable
+from fabric_core.errors import EngineClosed, PeerUnreachable, TransferTimeout
+from fabric_core.models import DomainAddress
+from fabric_efa import _efa
+
+PEERS = [DomainAddress(raw=b"peer-a"), DomainAddress(raw=b"peer-b")]
+IMMS = [0, 7, 2**32 - 1]
+
+
+def _native() -> NativeCounterTable:
+    return NativeCounterTable(_efa.CounterTable())
+
+
+_op = st.one_of(
+    st.tuples(st.just("add"), st.sampled_from(IMMS), st.integers(1, 5)),
+    st.tuples(st.just("expect"), st.sampled_from(IMMS), st.integers(1, 6), st.sampled_from([None, 0, 1])),
+    st.tuples(st.just("cancel"), st.integers(0, 30)),
+    st.tuples(st.just("fail_peer"), st.integers(0, 1)),
+    st.tuples(st.just("revive_peer"), st.integers(0, 1)),
+)
+
+
+def _run(table: CounterTable, ops: list[tuple[Any, ...]]) -> list[Any]:
+    """Apply ``ops``; return what was observed after each (fired waiters, errors, counts)."""
+    log: list[Any] = []
+    handles: list[Expectation] = []
+    fired: list[tuple[int, str]] = []
+    for op in ops:
+        kind = op[0]
+        fired.clear()
+        outcome: Any = None
+        if kind == "add":
+            table.add(op[1], op[2])
+        elif kind == "expect":
+            _, imm, n, peer = op
+            k = len(handles)
+            try:
+                handles.append(
+                    table.counter(imm, 5.0).expect(
+                        n,
+                        lambda k=k: fired.append((k, "ok")),
+                        on_error=lambda e, k=k: fired.append((k, type(e).__name__)),
+                        peer=None if peer is None else PEERS[peer],
+                    )
+                )
+            except PeerUnreachable:
+                outcome = "refused"
+        elif kind == "cancel":
+            if handles:
+                outcome = handles[op[1] % len(handles)].cancel()
+        elif kind == "fail_peer":
+            peer = PEERS[op[1]].raw
+            table.fail_peer(peer, PeerUnreachable("gone", peer=peer.hex()))
+        else:
+            table.revive_peer(PEERS[op[1]].raw)
+        log.append((kind, outcome, sorted(fired), table.snapshot(), [table.value(i) for i in IMMS]))
+    log.append(("received", table.imms_received))
+    return log
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_op, max_size=40))
+def test_native_table_matches_the_reference_table(ops: list[tuple[Any, ...]]) -> None:
+    assert _run(_native(), ops) == _run(CounterTable(), ops)
+
+
+def _soon(fn: Any, delay: float = 0.05) -> threading.Timer:
+    t = threading.Timer(delay, fn)
+    t.start()
+    return t
+
+
+def test_a_blocking_wait_is_woken_by_another_thread_and_keeps_its_place_in_line() -> None:
+    table = _native()
+    seen: list[str] = []
+    table.counter(7, 5.0).expect(3, lambda: seen.append("expect"))  # first in line
+    _soon(lambda: table.add(7, 4))
+    table.counter(7, 5.0).wait(1)  # second: gets the fourth count
+    assert seen == ["expect"] and table.value(7) == 0 and table.imms_received == 4
+
+
+def test_a_timed_out_head_unblocks_the_smaller_waiter_behind_it() -> None:
+    table = _native()
+    table.add(7, 2)
+    seen: list[str] = []
+    box: list[BaseException] = []
+
+    def head() -> None:
+        try:
+            table.counter(7, 5.0).wait(5, timeout=0.3)
+        except TransferTimeout as exc:
+            box.append(exc)
+
+    t = threading.Thread(target=head)
+    t.start()
+    time.sleep(0.1)  # the head is queued
+    table.counter(7, 5.0).expect(1, lambda: seen.append("behind"))
+    assert seen == []
+    t.join(5)
+    assert isinstance(box[0], TransferTimeout)
+    assert box[0].expected == {7: 5} and box[0].received == {7: 2}
+    assert seen == ["behind"] and table.value(7) == 1
+
+
+def test_a_wait_naming_a_lost_peer_fails_then_and_later() -> None:
+    table = _native()
+    peer = PEERS[0]
+    _soon(lambda: table.fail_peer(peer.raw, PeerUnreachable("it died", peer=peer.raw.hex())))
+    with pytest.raises(PeerUnreachable, match="it died"):
+        table.counter(1, 5.0).wait(1, peer=peer)
+    with pytest.raises(PeerUnreachable, match="it died"):
+        table.counter(1, 5.0).wait(1, timeout=math.inf, peer=peer)
+    table.revive_peer(peer.raw)
+    table.add(1)
+    table.counter(1, 5.0).wait(1, peer=peer)
+
+
+def test_fail_all_fails_blocking_and_token_waiters_with_the_engine_error() -> None:
+    table = _native()
+    errors: list[BaseException] = []
+    table.counter(3, 5.0).expect(1, lambda: None, on_error=errors.append)
+    _soon(lambda: table.fail_all(EngineClosed("closing")))
+    with pytest.raises(EngineClosed, match="closing"):
+        table.counter(3, 5.0).wait(1, timeout=math.inf)
+    assert [type(e) for e in errors] == [EngineClosed]
+
+
+def test_ctrl_c_in_a_wait_raises_consumes_nothing_and_lets_the_next_waiter_run() -> None:
+    table = _native()
+    table.add(9, 1)
+    behind: list[str] = []
+
+    def queue_behind_then_interrupt() -> None:
+        table.counter(9, 5.0).expect(1, lambda: behind.append("ran"))  # queued behind wait(2)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    _soon(queue_behind_then_interrupt, 0.2)
+    with pytest.raises(KeyboardInterrupt):
+        table.counter(9, 5.0).wait(2, timeout=math.inf)
+    assert behind == ["ran"] and table.value(9) == 0
+
+
+def test_a_cancelled_async_wait_consumes_nothing() -> None:
+    table = _native()
+
+    async def main() -> None:
+        task = asyncio.ensure_future(table.counter(4, 5.0).wait_async(2))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        table.add(4, 2)
+        await table.counter(4, 5.0).wait_async(2)
+
+    asyncio.run(main())
+    assert table.value(4) == 0
+
+
+@pytest.mark.parametrize("provider", ["shm", "tcp;ofi_rxm"])
+def test_the_worker_counts_into_the_table_a_blocked_wait_sleeps_on(provider: str) -> None:
+    """A wait that outlasts its spin sleeps on the table's condition variable; the worker's
+    count must wake it (here the imms come 0.3 s after the wait started)."""
+    a = open_engine(backend="efa", efa_provider=provider)
+    b = open_engine(backend="efa", efa_provider=provider)
+    try:
+        import numpy as np
+
+        dst = b.register(np.zeros(4096, np.uint8))
+        timer = _soon(lambda: [a.submit_imm(dst.descriptor, 5) for _ in range(3)], 0.3)
+        b.counter(5).wait(3, timeout=20)
+        timer.join()
+        assert b.counter(5).value == 0 and b.stats().imms_received == 3
+    finally:
+        a.close()
+        b.close()
