@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 SIZES = [4096, 65536, 1 << 20, 16 << 20]
+PING = 8  # the round trip is taken at 8 bytes, as the ceiling's (a write with data, one back)
 PROVIDERS = {"shm": "shm", "tcp": "tcp;ofi_rxm"}
 PEERS = Path(__file__).parent / "peers"
 PEER_SCRIPTS = ["mooncake_loopback.py", "nixl_loopback.py"]
@@ -49,7 +50,7 @@ def _fabric(provider: str, tmp: Path) -> dict[str, Any]:
     out = tmp / "sweep.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("FABRIC_")}
     env.update(FABRIC_EFA_PROVIDER=provider, FI_TCP_IFACE="lo")
-    sizes = ",".join(str(s) for s in SIZES)
+    sizes = ",".join(str(s) for s in [PING, *SIZES])
     cmd = [sys.executable, "-m", "fabric_core.cli", "bench", "--backend", "efa", "--nics", "1"]
     subprocess.run([*cmd, "--sizes", sizes, "--json", str(out)], env=env, check=True, timeout=900)
     result: dict[str, Any] = json.loads(out.read_text())
@@ -90,7 +91,8 @@ def main() -> int:
         for tag in args.providers.split(","):
             provider = PROVIDERS[tag]
             runs: dict[str, dict[int, list[float]]] = {
-                k: {s: [] for s in SIZES} for k in ("ceil", "ceil_dc", "fabric", "fabric_rtt", "ceil_wps")
+                k: {s: [] for s in [PING, *SIZES]}
+                for k in ("ceil", "ceil_dc", "fabric", "fabric_rtt", "ceil_wps", "ceil_dc_wps")
             }
             rtt: dict[str, list[float]] = {"ceil": [], "ceil_dc": []}
             paged: list[float] = []
@@ -100,8 +102,8 @@ def main() -> int:
                     c = _ceiling(args.ceiling, provider, delivery)
                     for s in SIZES:
                         runs[key][s].append(c["bandwidth"][s]["gbytes_per_s"])
-                        if not delivery:
-                            runs["ceil_wps"][s].append(c["bandwidth"][s]["mwrites_per_s"] * 1e6)
+                        wps = "ceil_dc_wps" if delivery else "ceil_wps"
+                        runs[wps][s].append(c["bandwidth"][s]["mwrites_per_s"] * 1e6)
                     if c["rtt_us_p50"] is not None:
                         rtt[key].append(c["rtt_us_p50"])
                 f = _fabric(provider, Path(tmp))
@@ -130,16 +132,20 @@ def main() -> int:
                     }
                 )
             ping = med(rtt["ceil"]) if rtt["ceil"] else None
+            fabric_ping = med(runs["fabric_rtt"][PING])
             report["providers"][tag] = {
                 "provider": provider,
                 "rows": rows,
                 "paged_pages_per_s": med(paged),
                 "ceiling_4k_writes_per_s": med(runs["ceil_wps"][4096]),
                 "paged_ratio": med(paged) / med(runs["ceil_wps"][4096]),
+                "ceiling_delivery_4k_writes_per_s": med(runs["ceil_dc_wps"][4096]),
+                "paged_ratio_delivery": med(paged) / med(runs["ceil_dc_wps"][4096]),
                 "submit_cost_us": med(submit),
                 "ceiling_imm_round_trip_us_p50": ping,
                 "ceiling_delivery_imm_round_trip_us_p50": med(rtt["ceil_dc"]) if rtt["ceil_dc"] else None,
                 "round_trip_target_us": None if ping is None else 2 * ping + 5,
+                "fabric_imm_round_trip_us_p50": fabric_ping,
             }
     for (peer, size), values in sorted(peer_runs.items()):
         entry = report["peers"].setdefault(peer, {**peer_meta[peer], "rows": []})
@@ -159,7 +165,8 @@ def main() -> int:
         sys.stdout.write(
             f"{tag:4} paged {p['paged_pages_per_s']:.0f} pages/s, ratio {p['paged_ratio']:.2f} of 4 KiB "
             f"writes/s; submit {p['submit_cost_us']:.2f} us; "
-            f"ceiling rtt {p['ceiling_imm_round_trip_us_p50']} us\n"
+            f"round trip {p['fabric_imm_round_trip_us_p50']:.1f} us (ceiling "
+            f"{p['ceiling_imm_round_trip_us_p50']} us, target {p['round_trip_target_us']:.1f})\n"
         )
     for peer, entry in report["peers"].items():
         for r in entry["rows"]:

@@ -23,6 +23,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -53,7 +54,21 @@ class CounterTable {
     using WaiterPtr = std::shared_ptr<Waiter>;
     using Tokens = std::vector<uint64_t>;
 
-    explicit CounterTable(std::chrono::microseconds spin = std::chrono::microseconds(100)) : spin_(spin) {}
+    // The engine's inline progress: one progress step, if no other thread is in one; returns
+    // whether it did any work.
+    using Progress = std::function<bool()>;
+
+    explicit CounterTable(std::chrono::microseconds spin = std::chrono::microseconds(200)) : spin_(spin) {}
+
+    // Installs (or, with nullptr, removes) the engine's progress hook. Removal waits until no
+    // waiter is inside the hook, so the engine may be destroyed once it returns.
+    void set_progress(Progress fn) {
+        std::lock_guard<std::mutex> lock(hook_mu_);
+        hook_on_.store(false, std::memory_order_seq_cst);
+        while (in_hook_.load(std::memory_order_seq_cst) > 0) std::this_thread::yield();
+        hook_ = std::move(fn);
+        hook_on_.store(static_cast<bool>(hook_), std::memory_order_seq_cst);
+    }
     CounterTable(const CounterTable&) = delete;
     CounterTable& operator=(const CounterTable&) = delete;
 
@@ -134,9 +149,17 @@ class CounterTable {
     int block(const WaiterPtr& w, std::chrono::steady_clock::time_point deadline) {
         using Clock = std::chrono::steady_clock;
         auto spin_end = std::min(deadline, Clock::now() + std::chrono::duration_cast<Clock::duration>(spin_));
-        int state;
-        while ((state = w->state.load(std::memory_order_acquire)) == kCountQueued && Clock::now() < spin_end)
-            std::this_thread::yield();
+        int state = w->state.load(std::memory_order_acquire);
+        // Spin, driving the engine's progress meanwhile (the imm this waiter needs is then
+        // polled and counted by this very thread), yielding the CPU after a run of idle steps.
+        unsigned idle = 0;
+        while ((state = w->state.load(std::memory_order_acquire)) == kCountQueued && Clock::now() < spin_end) {
+            if (step()) {
+                idle = 0;
+            } else if (++idle % kStepsBeforeYield == 0) {
+                std::this_thread::yield();
+            }
+        }
         if (state != kCountQueued) return state;
         std::unique_lock<std::mutex> lock(mu_);
         blocked_++;
@@ -220,6 +243,16 @@ class CounterTable {
     }
 
   private:
+    static constexpr unsigned kStepsBeforeYield = 8;
+
+    // One progress step through the hook, if one is installed; whether it did any work.
+    bool step() {
+        in_hook_.fetch_add(1, std::memory_order_seq_cst);
+        bool out = hook_on_.load(std::memory_order_seq_cst) && hook_();
+        in_hook_.fetch_sub(1, std::memory_order_seq_cst);
+        return out;
+    }
+
     struct Slot {
         uint64_t count = 0;
         std::deque<WaiterPtr> waiters;
@@ -247,6 +280,10 @@ class CounterTable {
     }
 
     std::chrono::microseconds spin_;
+    std::mutex hook_mu_;
+    Progress hook_;
+    std::atomic<bool> hook_on_{false};
+    std::atomic<int> in_hook_{0};
     mutable std::mutex mu_;
     std::condition_variable cv_;
     size_t blocked_ = 0;  // blocking waiters asleep on cv_ (guarded by mu_)
