@@ -22,7 +22,7 @@ nox.options.error_on_missing_interpreters = True
 ROOT = Path(__file__).parent
 PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
 CONSTRAINTS = ("-c", str(ROOT / "constraints" / "ci.txt"))
-PACKAGES = ("packages/fabric-core", "packages/fabric-sim")
+PACKAGES = ("packages/fabric-core", "packages/fabric-sim", "packages/fabric-apps")
 
 
 def _install(session: nox.Session, *groups: str, editable: bool = True) -> None:

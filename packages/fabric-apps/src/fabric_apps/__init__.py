@@ -1,0 +1,12 @@
+"""fabric-apps: applications built only on the public fabric contract (``fabric_core``).
+
+``fabric_apps.kvcache``: disaggregated prefill→decode KV-cache transfer.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+__all__: list[str] = []
