@@ -175,6 +175,8 @@ class LibfabricDomain {
         return out;
     }
 
+    using Mr = fid_mr*;
+
     // Registers [ptr, ptr+len) for local use and remote writes; returns (mr, key, desc).
     fid_mr* register_memory(void* ptr, size_t len, uint64_t requested_key, bool remote_write, uint64_t& key,
                             void*& desc) {
@@ -186,6 +188,8 @@ class LibfabricDomain {
         desc = fi_mr_desc(mr);
         return mr;
     }
+
+    void deregister_memory(fid_mr* mr) { fi_close(&mr->fid); }
 
     // Registers an engine-owned buffer for local access (control-message bounce buffers):
     // providers with FI_MR_LOCAL (efa) take no unregistered buffer. Closed with the domain.

@@ -1,0 +1,365 @@
+// The Python binding of the engine core, shared by every compiled backend.
+//
+// PyEngine<Domain> owns an Engine<Domain> (fabric/engine.hpp) and everything the Python side
+// of a backend (a fabric_core.base.EngineBase subclass) calls: memory registration on every
+// NIC, the submit fast path (fabric/pyfast.hpp), planned submissions from
+// fabric_core.plan_request, control messages, completion batches, statistics and close. A
+// backend's module derives from it to open its domains and add what is its own (provider
+// details), and calls bind_engine() for the shared methods, so fabric-efa and fabric-verbs
+// run the same binding code over different Domains.
+//
+// Beyond the engine core's Domain concept, a Domain here provides
+//   using Mr = ...;                                    // a registration's handle
+//   Mr register_memory(void* ptr, size_t len, uint64_t requested_key, bool remote_write,
+//                      uint64_t& key, void*& desc);    // remote key and local descriptor out
+//   void deregister_memory(Mr);
+#pragma once
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+#include "counters.hpp"
+#include "engine.hpp"
+#include "pycounters.hpp"
+#include "pyfast.hpp"
+
+namespace fabric {
+
+namespace py = pybind11;
+
+template <class Mr>
+struct Registration {
+    std::vector<Mr> mrs;
+    std::vector<void*> descs;
+    std::vector<uint64_t> keys;
+    uint64_t ptr = 0;
+    uint64_t len = 0;
+    uint64_t region_handle = 0;  // the MemoryRegion's handle, once bound to the fast path
+};
+
+constexpr py::ssize_t kReleaseGilOps = 256;
+
+using TargetSpec = std::tuple<std::vector<py::bytes>, std::vector<uint64_t>, uint64_t>;
+
+template <class Domain>
+class PyEngine {
+  public:
+    using Mr = typename Domain::Mr;
+
+    PyEngine(std::vector<std::unique_ptr<Domain>> domains, std::optional<uint64_t> chaos_seed, int cpu,
+             size_t recv_depth, size_t max_send) {
+        for (auto& d : domains) addresses_.push_back(d->address());
+        engine_ = std::make_unique<Engine<Domain>>(std::move(domains), counters_, chaos_seed.value_or(0),
+                                                   chaos_seed.has_value(), cpu, recv_depth, max_send);
+    }
+
+    virtual ~PyEngine() { close(); }
+    PyEngine(const PyEngine&) = delete;
+    PyEngine& operator=(const PyEngine&) = delete;
+
+    // The imm counter table the worker fills (it outlives the engine: waits after close fail).
+    std::shared_ptr<CounterTable> counters() const { return counters_; }
+
+    std::vector<py::bytes> addresses() const {
+        std::vector<py::bytes> out;
+        for (auto& a : addresses_) out.emplace_back(a);
+        return out;
+    }
+
+    std::pair<uint64_t, std::vector<uint64_t>> register_memory(uint64_t ptr, uint64_t len, bool remote_write) {
+        check_open();
+        Registration<Mr> reg;
+        reg.ptr = ptr;
+        reg.len = len;
+        uint64_t handle = next_handle_++;
+        try {
+            for (size_t n = 0; n < engine_->num_nics(); n++) {
+                uint64_t key = 0;
+                void* desc = nullptr;
+                Mr mr = engine_->nic(n).register_memory(reinterpret_cast<void*>(ptr), len, handle, remote_write, key,
+                                                        desc);
+                reg.mrs.push_back(mr);
+                reg.descs.push_back(desc);
+                reg.keys.push_back(key);
+            }
+        } catch (...) {
+            for (size_t n = 0; n < reg.mrs.size(); n++) engine_->nic(n).deregister_memory(reg.mrs[n]);
+            throw;
+        }
+        std::vector<uint64_t> keys = reg.keys;
+        std::lock_guard<std::mutex> lock(mu_);
+        regs_.emplace(handle, std::move(reg));
+        return {handle, keys};
+    }
+
+    void deregister(uint64_t handle) {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = regs_.find(handle);
+        if (it == regs_.end()) return;
+        if (fast_ && it->second.region_handle != 0) fast_->drop_region(it->second.region_handle);
+        release(it->second);
+        regs_.erase(it);
+    }
+
+    // --- the fast path (fabric/pyfast.hpp) ------------------------------------------------
+    void configure_fast(uint64_t max_msg, py::object sharded, py::object pinned, py::object shard_peers,
+                        py::object descriptor, bool guarded) {
+        fast_ = std::make_unique<fast::FastPlanner>(
+            engine_->num_nics(), max_msg,
+            fast::Classes{std::move(sharded), std::move(pinned), std::move(shard_peers), std::move(descriptor)},
+            guarded);
+    }
+
+    // The MemoryRegion made for registration ``token``: requests naming it may take the fast path.
+    void bind_region(uint64_t token, uint64_t region_handle, py::object region) {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = regs_.find(token);
+        if (it == regs_.end() || !fast_) return;
+        it->second.region_handle = region_handle;
+        fast_->add_region(region_handle, std::move(region), it->second.ptr, it->second.len, it->second.descs);
+    }
+
+    // Each returns the number of imms the target will count, or -1: take the Python path.
+    int64_t fast_write(uint64_t id, py::handle src, py::handle src_offset, py::handle length, py::handle dst,
+                       py::handle dst_offset, py::handle imm, py::handle routing) {
+        if (closed_ || !fast_) return -1;
+        return push(fast_->write(id, src.ptr(), src_offset.ptr(), length.ptr(), dst.ptr(), dst_offset.ptr(), imm.ptr(),
+                                 routing.ptr(), rotation_));
+    }
+
+    int64_t fast_paged(uint64_t id, py::handle src, py::handle src_pages, py::handle src_stride, py::handle dst,
+                       py::handle dst_pages, py::handle dst_stride, py::handle page_length, py::handle src_offset,
+                       py::handle dst_offset, py::handle imm, py::handle routing) {
+        if (closed_ || !fast_) return -1;
+        return push(fast_->paged(id, src.ptr(), src_pages.ptr(), src_stride.ptr(), dst.ptr(), dst_pages.ptr(),
+                                 dst_stride.ptr(), page_length.ptr(), src_offset.ptr(), dst_offset.ptr(), imm.ptr(),
+                                 routing.ptr(), rotation_));
+    }
+
+    int64_t fast_imm(uint64_t id, py::handle dst, py::handle imm, py::handle routing) {
+        if (closed_ || !fast_) return -1;
+        return push(fast_->imm_only(id, dst.ptr(), imm.ptr(), routing.ptr(), rotation_));
+    }
+
+    uint64_t fast_submitted() const { return fast_submitted_; }
+
+    // What the fast path would post for ``kind`` ("write", "paged", "imm") with ``args`` (the
+    // fast_* arguments after the id) at ``rotation``, without posting: None where it defers
+    // to plan_request, else (nic, target, src, dst_off, length) arrays, src as an address.
+    py::object plan_only(const std::string& kind, py::tuple args, uint64_t rotation) {
+        if (!fast_) return py::none();
+        auto at = [&](size_t i) { return args[i].ptr(); };
+        std::unique_ptr<Request> req;
+        if (kind == "write" && args.size() == 7) {
+            req = fast_->write(0, at(0), at(1), at(2), at(3), at(4), at(5), at(6), rotation);
+        } else if (kind == "paged" && args.size() == 11) {
+            req = fast_->paged(0, at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7), at(8), at(9), at(10),
+                               rotation);
+        } else if (kind == "imm" && args.size() == 3) {
+            req = fast_->imm_only(0, at(0), at(1), at(2), rotation);
+        } else {
+            throw std::invalid_argument("plan_only: unknown kind or wrong number of arguments");
+        }
+        if (!req) return py::none();
+        auto n = static_cast<py::ssize_t>(req->ops.size());
+        py::array_t<int64_t> nic(n), target(n), src(n), dst(n), len(n);
+        for (py::ssize_t i = 0; i < n; i++) {
+            const auto& op = req->ops[static_cast<size_t>(i)];
+            nic.mutable_at(i) = op.nic;
+            target.mutable_at(i) = op.target;
+            src.mutable_at(i) = static_cast<int64_t>(op.src);
+            dst.mutable_at(i) = static_cast<int64_t>(op.dst_off);
+            len.mutable_at(i) = static_cast<int64_t>(op.len);
+        }
+        return py::make_tuple(nic, target, src, dst, len);
+    }
+
+    void submit_write(uint64_t id, uint64_t src_handle, uint64_t src_base, py::array_t<int64_t> nic,
+                      py::array_t<int64_t> target, py::array_t<int64_t> src_off, py::array_t<int64_t> dst_off,
+                      py::array_t<int64_t> length, int64_t imm, const std::vector<TargetSpec>& targets) {
+        check_open();
+        auto req = std::make_unique<Request>();
+        req->id = id;
+        req->has_imm = imm >= 0;
+        req->imm = static_cast<uint32_t>(imm >= 0 ? imm : 0);
+        if (src_handle != 0) {  // imm-only writes and barriers carry no source
+            std::lock_guard<std::mutex> lock(mu_);
+            auto it = regs_.find(src_handle);
+            if (it == regs_.end()) throw std::invalid_argument("source registration is gone");
+            req->src_desc = std::make_shared<const std::vector<void*>>(it->second.descs);
+        }
+        for (const auto& [addrs, keys, base] : targets) {
+            auto t = std::make_shared<Target>();
+            for (const auto& a : addrs) t->addresses.emplace_back(a);
+            t->rkeys = keys;
+            t->remote_base = base;
+            req->targets.push_back(std::move(t));
+        }
+        auto n = nic.unchecked<1>();
+        auto tg = target.unchecked<1>();
+        auto so = src_off.unchecked<1>();
+        auto dof = dst_off.unchecked<1>();
+        auto ln = length.unchecked<1>();
+        py::ssize_t count = n.shape(0);
+        {
+            // Releasing the GIL costs more than a short plan's work (and hands the GIL to the
+            // completion thread mid-call): release it only for large plans.
+            std::optional<py::gil_scoped_release> release;
+            if (count >= kReleaseGilOps) release.emplace();
+            req->ops.resize(static_cast<size_t>(count));
+            for (py::ssize_t i = 0; i < count; i++) {
+                OpCtx& op = req->ops[static_cast<size_t>(i)];
+                op.nic = static_cast<uint32_t>(n(i));
+                op.target = static_cast<uint32_t>(tg(i));
+                op.src = src_base + static_cast<uint64_t>(so(i));
+                op.dst_off = static_cast<uint64_t>(dof(i));
+                op.len = static_cast<uint64_t>(ln(i));
+            }
+            engine_->submit(std::move(req));
+        }
+    }
+
+    void submit_send(uint64_t id, py::bytes address, py::bytes payload) { submit_to(id, address, payload, false); }
+
+    // Resolves a peer on the worker (which owns the address cache); completes like a transfer.
+    void check_peer(uint64_t id, py::bytes address) { submit_to(id, address, py::bytes(), true); }
+
+    // (ids completed successfully, (id, status, message) of failed ones, tokens of counter
+    // waiters the imms fired, messages)
+    py::tuple wait_batch(double timeout_s) {
+        Batch b;
+        {
+            py::gil_scoped_release release;
+            b = engine_->wait_batch(timeout_s);
+        }
+        py::list ok, failed, messages;
+        for (auto& c : b.done) {
+            if (c.status == kOk) {
+                ok.append(py::int_(c.id));
+            } else {
+                failed.append(py::make_tuple(c.id, c.status, c.message));
+            }
+        }
+        for (auto& m : b.messages) messages.append(py::bytes(m));
+        return py::make_tuple(ok, failed, py::cast(b.fired), messages);
+    }
+
+    py::dict stats() const {
+        auto s = engine_ ? engine_->stats() : final_stats_;
+        py::dict d;
+        d["posted"] = s.posted;
+        d["completed_wrs"] = s.completed_wrs;
+        d["bytes_written"] = s.bytes_written;
+        d["eagain"] = s.eagain;
+        return d;
+    }
+
+    void close() {
+        if (!engine_ || closed_) return;
+        closed_ = true;
+        {
+            py::gil_scoped_release release;
+            engine_->close();
+        }
+        if (fast_) fast_->clear();
+        std::lock_guard<std::mutex> lock(mu_);
+        for (auto& [h, reg] : regs_) release(reg);
+        regs_.clear();
+    }
+
+    void destroy() {
+        close();
+        if (!engine_) return;
+        final_stats_ = engine_->stats();
+        py::gil_scoped_release release;
+        engine_.reset();
+    }
+
+  protected:
+    Engine<Domain>& engine() { return *engine_; }
+
+  private:
+    void release(Registration<Mr>& reg) {
+        for (size_t n = 0; n < reg.mrs.size(); n++) engine_->nic(n).deregister_memory(reg.mrs[n]);
+        reg.mrs.clear();
+    }
+
+    int64_t push(std::unique_ptr<Request> req) {
+        if (!req) return -1;
+        int64_t imms = req->has_imm ? static_cast<int64_t>(req->ops.size()) : 0;
+        rotation_++;
+        fast_submitted_++;
+        engine_->submit(std::move(req));
+        return imms;
+    }
+
+    // A request naming one peer (a control message, or a resolution). The push is O(1) and
+    // lock-free, so the GIL stays held (releasing it costs more than the push).
+    void submit_to(uint64_t id, const py::bytes& address, const py::bytes& payload, bool resolve_only) {
+        check_open();
+        auto req = std::make_unique<Request>();
+        req->id = id;
+        req->send_to = address;
+        req->payload = payload;
+        req->resolve_only = resolve_only;
+        engine_->submit(std::move(req));
+    }
+
+    void check_open() const {
+        if (closed_) throw std::runtime_error("engine is closed");
+    }
+
+    std::vector<std::string> addresses_;
+    std::shared_ptr<CounterTable> counters_ = std::make_shared<CounterTable>();
+    std::unique_ptr<Engine<Domain>> engine_;
+    std::mutex mu_;
+    std::unordered_map<uint64_t, Registration<Mr>> regs_;
+    uint64_t next_handle_ = 1;
+    bool closed_ = false;
+    EngineStats final_stats_;  // what stats() reports once the engine is destroyed
+    std::unique_ptr<fast::FastPlanner> fast_;  // guarded by the GIL
+    uint64_t rotation_ = 0;                           // guarded by the GIL
+    uint64_t fast_submitted_ = 0;                     // guarded by the GIL
+};
+
+// Defines the shared methods of a PyEngine<Domain> subclass ``Cls`` on its Python class.
+template <class Cls, class... Options>
+void bind_engine(py::class_<Cls, Options...>& c) {
+    c.def("addresses", &Cls::addresses)
+        .def("counters", &Cls::counters)
+        .def("register_memory", &Cls::register_memory, py::arg("ptr"), py::arg("length"), py::arg("remote_write"))
+        .def("deregister", &Cls::deregister, py::arg("handle"))
+        .def("submit_write", &Cls::submit_write, py::arg("id"), py::arg("src_handle"), py::arg("src_base"),
+             py::arg("nic"), py::arg("target"), py::arg("src_off"), py::arg("dst_off"), py::arg("length"),
+             py::arg("imm"), py::arg("targets"))
+        .def("submit_send", &Cls::submit_send, py::arg("id"), py::arg("address"), py::arg("payload"))
+        .def("check_peer", &Cls::check_peer, py::arg("id"), py::arg("address"))
+        .def("wait_batch", &Cls::wait_batch, py::arg("timeout_s"))
+        .def("configure_fast", &Cls::configure_fast, py::arg("max_msg"), py::arg("sharded"), py::arg("pinned"),
+             py::arg("shard_peers"), py::arg("descriptor"), py::arg("guarded"))
+        .def("bind_region", &Cls::bind_region, py::arg("token"), py::arg("region_handle"), py::arg("region"))
+        .def("fast_write", &Cls::fast_write, py::arg("id"), py::arg("src"), py::arg("src_offset"),
+             py::arg("length"), py::arg("dst"), py::arg("dst_offset"), py::arg("imm"), py::arg("routing"))
+        .def("fast_paged", &Cls::fast_paged, py::arg("id"), py::arg("src"), py::arg("src_pages"),
+             py::arg("src_stride"), py::arg("dst"), py::arg("dst_pages"), py::arg("dst_stride"), py::arg("page_length"),
+             py::arg("src_offset"), py::arg("dst_offset"), py::arg("imm"), py::arg("routing"))
+        .def("fast_imm", &Cls::fast_imm, py::arg("id"), py::arg("dst"), py::arg("imm"), py::arg("routing"))
+        .def("fast_submitted", &Cls::fast_submitted)
+        .def("plan_only", &Cls::plan_only, py::arg("kind"), py::arg("args"), py::arg("rotation"))
+        .def("stats", &Cls::stats)
+        .def("close", &Cls::close)
+        .def("destroy", &Cls::destroy);
+}
+
+}  // namespace fabric

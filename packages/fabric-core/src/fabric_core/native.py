@@ -1,0 +1,394 @@
+"""``NativeEngine``: the Python side every compiled backend shares.
+
+A compiled backend's module exposes an engine built on fabric-core's C++ binding
+(``fabric/pyengine.hpp``: the engine core, the submit fast path, the counter table, completion
+batches). ``NativeEngine`` drives it: plain single writes, paged writes and imms go to the C++
+fast path, anything else through ``plan_request`` (the specification) to ``submit_write``; a
+completion thread takes each batch of completions with the GIL held once, resolves transfers
+and runs the counter waiters the imms fired; the counter table is the C++ one
+(``NativeCounterTable``). A backend subclass opens its compiled engine and says what is its
+own: capabilities, domains, and (for providers whose addresses name their process) the table
+of endpoints closed in this process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any, Protocol
+
+from .api import EngineStats
+from .base import EngineBase, Registration
+from .counters import CounterTable, NativeCounterTable, NativeTable
+from .errors import EngineClosed, FabricError, PeerUnreachable, RemoteAccessError, TransportError
+from .memory import MemorySpan, index_array
+from .models import Capabilities, DomainAddress, DomainInfo, MemoryRegion, MemoryRegionDescriptor
+from .ops import (
+    ImmRequest,
+    Message,
+    PagedWriteRequest,
+    Pinned,
+    Plan,
+    Request,
+    Routing,
+    Sharded,
+    ShardPeers,
+    WriteRequest,
+)
+from .settings import FabricSettings
+from .transfer import Transfer
+
+__all__ = ["HEADER_BYTES", "NativeCore", "NativeEngine"]
+
+logger = logging.getLogger(__name__)
+
+_SHARDED = Sharded()
+_ONE_NIC = Sharded(1)
+_NO_IMMS = (0,)
+_HEADER = struct.Struct("<B")  # length of the sender's address, then the address, then the data
+HEADER_BYTES = 1 + 255
+"""What a control message carries besides its payload (the sender's address)."""
+# Status codes of fabric/engine.hpp
+_STATUS: dict[int, type[TransportError]] = {1: PeerUnreachable, 2: RemoteAccessError, 3: TransportError}
+_CLOSED = 4
+_completers = itertools.count(1)
+
+
+class NativeCore(Protocol):
+    """What a compiled engine offers (fabric/pyengine.hpp's ``bind_engine``)."""
+
+    def addresses(self) -> list[bytes]: ...
+    def counters(self) -> NativeTable: ...
+    def register_memory(self, ptr: int, length: int, remote_write: bool) -> tuple[int, list[int]]: ...
+    def deregister(self, handle: int) -> None: ...
+    def submit_write(
+        self,
+        id: int,
+        src_handle: int,
+        src_base: int,
+        nic: Any,
+        target: Any,
+        src_off: Any,
+        dst_off: Any,
+        length: Any,
+        imm: int,
+        targets: list[tuple[list[bytes], list[int], int]],
+    ) -> None: ...
+    def submit_send(self, id: int, address: bytes, payload: bytes) -> None: ...
+    def check_peer(self, id: int, address: bytes) -> None: ...
+    def wait_batch(
+        self, timeout_s: float
+    ) -> tuple[list[int], list[tuple[int, int, str]], list[int], list[bytes]]: ...
+    def configure_fast(
+        self,
+        max_msg: int,
+        sharded: object,
+        pinned: object,
+        shard_peers: object,
+        descriptor: object,
+        guarded: bool,
+    ) -> None: ...
+    def bind_region(self, token: int, region_handle: int, region: object) -> None: ...
+    def fast_write(
+        self,
+        id: int,
+        src: object,
+        src_offset: object,
+        length: object,
+        dst: object,
+        dst_offset: object,
+        imm: object,
+        routing: object,
+    ) -> int: ...
+    def fast_paged(
+        self,
+        id: int,
+        src: object,
+        src_pages: object,
+        src_stride: object,
+        dst: object,
+        dst_pages: object,
+        dst_stride: object,
+        page_length: object,
+        src_offset: object,
+        dst_offset: object,
+        imm: object,
+        routing: object,
+    ) -> int: ...
+    def fast_imm(self, id: int, dst: object, imm: object, routing: object) -> int: ...
+    def fast_submitted(self) -> int: ...
+    def stats(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
+    def destroy(self) -> None: ...
+
+
+class NativeEngine(EngineBase):
+    """A ``TransferEngine`` over a compiled engine (``core``) that is already open.
+
+    ``guarded``: the provider's addresses name their process (shm), so writes to an endpoint
+    closed in this process must fail before posting; subclasses then implement
+    ``_is_closed`` and ``_mark_closed``. ``where`` names the transport in error messages.
+    """
+
+    def __init__(
+        self,
+        settings: FabricSettings,
+        core: NativeCore,
+        capabilities: Capabilities,
+        domains: Sequence[DomainInfo],
+        *,
+        guarded: bool = False,
+        where: str = "",
+    ) -> None:
+        self._core = core
+        self._guarded = guarded
+        self._where = where or capabilities.backend
+        addresses = [DomainAddress(raw=a) for a in core.addresses()]
+        self._inflight: dict[int, Transfer] = {}
+        self._specs: dict[int, tuple[MemoryRegionDescriptor, tuple[list[bytes], list[int], int]]] = {}
+        n = next(_completers)
+        super().__init__(settings, capabilities, addresses, domains, f"fabric-{capabilities.backend}-cb-{n}")
+        core.configure_fast(
+            capabilities.max_msg_size, Sharded, Pinned, ShardPeers, MemoryRegionDescriptor, guarded
+        )
+        self._header = _HEADER.pack(len(self.address.raw)) + self.address.raw
+        self._stop = False
+        self._completer = threading.Thread(
+            target=self._complete, name=f"fabric-{capabilities.backend}-completion-{n}", daemon=True
+        )
+        self._completer.start()
+
+    # --- the closed-endpoint table of guarded providers (see __init__) ----------------
+    def _is_closed(self, address: bytes) -> bool:
+        return False
+
+    def _mark_closed(self, address: bytes) -> None:
+        """This engine's own endpoint closes (guarded providers record it)."""
+
+    # --- submit: planned in C++ when the request is plain, else by plan_request ---------
+    def _fast(self, transfer: Transfer, imms: int) -> Transfer | None:
+        if imms < 0:
+            self._inflight.pop(transfer.id, None)
+            return None
+        transfer.imms_per_target = (imms,)
+        return transfer
+
+    def _new(self) -> Transfer:
+        """A transfer entered in the in-flight table (one dict store: atomic under the GIL)."""
+        transfer = Transfer(_NO_IMMS, dispatcher=self._dispatch, default_timeout=self._timeout)
+        self._inflight[transfer.id] = transfer
+        return transfer
+
+    def submit_write(
+        self,
+        src: MemoryRegion,
+        src_offset: int,
+        length: int,
+        dst: MemoryRegionDescriptor,
+        dst_offset: int = 0,
+        *,
+        imm: int | None = None,
+        routing: Routing = _SHARDED,
+    ) -> Transfer:
+        t = self._new()
+        done = self._fast(
+            t, self._core.fast_write(t.id, src, src_offset, length, dst, dst_offset, imm, routing)
+        )
+        if done is not None:
+            return done
+        return super().submit(WriteRequest(src, src_offset, length, dst, dst_offset, imm, routing))
+
+    def submit_imm(self, dst: MemoryRegionDescriptor, imm: int, *, routing: Routing = _ONE_NIC) -> Transfer:
+        t = self._new()
+        done = self._fast(t, self._core.fast_imm(t.id, dst, imm, routing))
+        return done if done is not None else super().submit(ImmRequest(dst, imm, routing))
+
+    def submit(self, request: Request) -> Transfer:
+        kind = type(request)
+        done: Transfer | None = None
+        if kind is WriteRequest:
+            r: Any = request
+            t = self._new()
+            done = self._fast(
+                t,
+                self._core.fast_write(
+                    t.id, r.src, r.src_offset, r.length, r.dst, r.dst_offset, r.imm, r.routing
+                ),
+            )
+        elif kind is PagedWriteRequest:
+            done = self._fast_paged(request)  # type: ignore[arg-type]
+        elif kind is ImmRequest:
+            r = request
+            t = self._new()
+            done = self._fast(t, self._core.fast_imm(t.id, r.dst, r.imm, r.routing))
+        return done if done is not None else super().submit(request)
+
+    def _fast_paged(self, r: PagedWriteRequest) -> Transfer | None:
+        try:
+            src_pages, dst_pages = (
+                index_array(r.src_pages, "src_pages"),
+                index_array(r.dst_pages, "dst_pages"),
+            )
+        except FabricError:
+            return None  # plan_request raises it, after the checks it makes first
+        t = self._new()
+        imms = self._core.fast_paged(
+            t.id,
+            r.src,
+            src_pages,
+            r.src_stride,
+            r.dst,
+            dst_pages,
+            r.dst_stride,
+            r.page_length,
+            r.src_offset,
+            r.dst_offset,
+            r.imm,
+            r.routing,
+        )
+        return self._fast(t, imms)
+
+    def stats(self) -> EngineStats:
+        core = self._core.stats()
+        return replace(
+            super().stats(),
+            submitted=self._stat_submitted + self._core.fast_submitted(),
+            work_requests=int(core["completed_wrs"]),
+            bytes_written=int(core["bytes_written"]),
+        )
+
+    # --- completion path: one GIL acquisition per batch ------------------------------
+    def _complete(self) -> None:
+        pop = self._inflight.pop
+        counters = self._native_counters
+        while True:
+            ok, failed, fired, messages = self._core.wait_batch(0.05)
+            if fired:  # asyncio waits and expect callbacks the imms satisfied
+                counters.fire_tokens(fired)
+            for xfer_id in ok:
+                transfer = pop(xfer_id, None)
+                if transfer is not None:
+                    self._stat_completed += 1
+                    transfer._resolve(None)
+            for xfer_id, status, message in failed:
+                transfer = pop(xfer_id, None)
+                if transfer is None:
+                    continue
+                self._stat_failed += 1
+                exc: FabricError = (
+                    EngineClosed(message)
+                    if status == _CLOSED
+                    else _STATUS.get(status, TransportError)(message, transfer_id=xfer_id)
+                )
+                transfer._resolve(exc)
+            for raw in messages:
+                (alen,) = _HEADER.unpack_from(raw)
+                peer = DomainAddress(raw=raw[1 : 1 + alen])
+                self._enqueue_message(Message(peer, raw[1 + alen :]))
+            if self._stop and not ok and not failed and not fired and not messages:
+                return
+
+    # --- hooks -----------------------------------------------------------------------
+    def _new_counter_table(self) -> CounterTable:
+        # the worker counts imms into the C++ table; blocking waits wake from there
+        self._native_counters = NativeCounterTable(self._core.counters(), self._dispatch)
+        return self._native_counters
+
+    def _backend_register(
+        self, span: MemorySpan, writable: bool, handle: int
+    ) -> tuple[tuple[int, ...], object]:
+        token, keys = self._core.register_memory(span.ptr, span.length, writable)
+        return tuple(keys), token
+
+    def _backend_bound(self, reg: Registration) -> None:
+        assert isinstance(reg.token, int)
+        self._core.bind_region(reg.token, reg.handle, reg.region)
+
+    def _backend_deregister(self, token: object) -> None:
+        assert isinstance(token, int)
+        self._core.deregister(token)
+
+    def _gone(self, peer: bytes, transfer: Transfer) -> bool:
+        """Fail ``transfer`` if ``peer`` is an endpoint closed in this process (guarded providers)."""
+        if not self._is_closed(peer):
+            return False
+        self._stat_failed += 1
+        transfer._resolve(
+            PeerUnreachable(f"peer {peer.hex()} is closed", peer=peer.hex(), transfer_id=transfer.id)
+        )
+        return True
+
+    def _backend_post(self, plan: Plan, transfer: Transfer, source: Registration | None) -> None:
+        if self._guarded and any(self._gone(desc.peer.raw, transfer) for desc in plan.targets):
+            return
+        targets = [self._target_spec(desc) for desc in plan.targets]
+        self._inflight[transfer.id] = transfer
+        self._core.submit_write(
+            transfer.id,
+            source.token if source is not None and isinstance(source.token, int) else 0,
+            source.ptr if source is not None else 0,
+            plan.nic,
+            plan.target,
+            plan.src_off,
+            plan.dst_off,
+            plan.length,
+            -1 if plan.imm is None else plan.imm,
+            targets,
+        )
+
+    def _target_spec(self, desc: MemoryRegionDescriptor) -> tuple[list[bytes], list[int], int]:
+        """The C++ core's view of a descriptor, cached per descriptor object (a writer sends
+        many requests to the same few descriptors)."""
+        hit = self._specs.get(id(desc))
+        if hit is not None and hit[0] is desc:
+            return hit[1]
+        spec = ([nic.address.raw for nic in desc.nics], [nic.rkey for nic in desc.nics], desc.ptr)
+        if len(self._specs) >= 4096:
+            self._specs.clear()
+        self._specs[id(desc)] = (desc, spec)
+        return spec
+
+    def _backend_send(self, peer: DomainAddress, payload: bytes, transfer: Transfer) -> None:
+        if self._guarded and self._gone(peer.raw, transfer):
+            return
+        self._inflight[transfer.id] = transfer
+        self._core.submit_send(transfer.id, peer.raw, self._header + payload)
+
+    def _backend_check_peer(self, peer: DomainAddress) -> None:
+        if self._guarded and self._is_closed(peer.raw):
+            raise PeerUnreachable(f"peer {peer.raw.hex()} is closed", peer=peer.raw.hex())
+        transfer = Transfer((0,), default_timeout=self._timeout)
+        self._inflight[transfer.id] = transfer
+        self._core.check_peer(transfer.id, peer.raw)
+        try:
+            transfer.wait()
+        except PeerUnreachable as exc:
+            raise PeerUnreachable(
+                f"{peer} is not reachable on {self._where}: {exc}",
+                peer=peer.raw.hex(),
+            ) from None
+
+    def _backend_stop(self, exc: BaseException, drain: bool, timeout: float) -> None:
+        if self._guarded:
+            for a in self._addresses:
+                self._mark_closed(a.raw)
+        if drain:
+            deadline = time.monotonic() + timeout
+            while self._inflight and time.monotonic() < deadline:
+                time.sleep(0.001)
+        self._core.close()  # fails what is left with status "closed"
+        self._stop = True
+        self._completer.join()
+        left = list(self._inflight.values())
+        self._inflight.clear()
+        for transfer in left:
+            self._stat_failed += 1
+            transfer._resolve(exc)
+
+    def _backend_release(self, exc: BaseException) -> None:
+        self._core.destroy()
