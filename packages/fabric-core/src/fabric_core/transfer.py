@@ -8,6 +8,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -80,6 +81,7 @@ class Transfer:
         "_default_timeout",
         "_dispatch",
         "_done",
+        "_drain",
         "_event",
         "_exc",
         "_lock",
@@ -103,6 +105,9 @@ class Transfer:
         self._callbacks: list[tuple[DoneCallback | None, ErrorCallback | None]] = []
         self._dispatch = dispatcher
         self._default_timeout = default_timeout
+        # A backend may let a waiter run its completions itself: _drain(transfer, deadline)
+        # returns once the transfer is done or it gives up (the event wait then takes over).
+        self._drain: Callable[[Transfer, float], None] | None = None
 
     @property
     def imms_at_target(self) -> int:
@@ -114,14 +119,18 @@ class Transfer:
     def _wait_done(self, timeout: float | None) -> None:
         if self._done:
             return
+        limit = self._default_timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        if self._drain is not None:
+            self._drain(self, deadline)
         with self._lock:
             if self._done:
                 return
             if self._event is None:
                 self._event = threading.Event()
             event = self._event
-        limit = self._default_timeout if timeout is None else timeout
-        if not event.wait(None if math.isinf(limit) else limit):
+        left = max(0.0, deadline - time.monotonic())
+        if not event.wait(None if math.isinf(limit) else left):
             raise TransferTimeout(f"transfer {self.id} not complete after {limit:g} s", transfer_id=self.id)
 
     def wait(self, timeout: float | None = None) -> None:

@@ -234,6 +234,41 @@ class Engine {
         return b;
     }
 
+    // For a thread that waits on a transfer: run progress steps and take the completions that
+    // are published, up to ``timeout_s``; returns them (maybe none). While a thread drains, the
+    // completion thread is not woken for new completions: the drainer hands them to Python
+    // itself, so a transfer's completion reaches the thread that waits on it with no thread
+    // switch and no GIL hand-off in between. Whatever is published as it leaves goes to the
+    // completion thread as usual.
+    Batch drain(double timeout_s) {
+        using Clock = std::chrono::steady_clock;
+        auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(std::max(timeout_s, 0.0)));
+        Batch b;
+        drainers_.fetch_add(1, std::memory_order_seq_cst);
+        unsigned idle = 0;
+        while (true) {
+            bool worked = help();
+            {
+                std::lock_guard<std::mutex> lock(out_mu_);
+                if (!out_.empty()) {
+                    std::swap(b, out_);
+                    break;
+                }
+            }
+            if (stop_.load(std::memory_order_acquire) || Clock::now() >= deadline) break;
+            if (!worked && ++idle % 8 == 0) std::this_thread::yield();
+        }
+        drainers_.fetch_sub(1, std::memory_order_seq_cst);
+        bool left;
+        {
+            std::lock_guard<std::mutex> lock(out_mu_);
+            left = !out_.empty();
+        }
+        if (left) out_cv_.notify_one();
+        return b;
+    }
+
     void close() {
         counters_->set_progress(nullptr);  // waiters stop helping (and wait for those inside)
         if (stop_.exchange(true)) return;
@@ -529,7 +564,7 @@ class Engine {
             out_.fired.insert(out_.fired.end(), fired_.begin(), fired_.end());
             for (auto& m : messages_) out_.messages.push_back(std::move(m));
         }
-        out_cv_.notify_one();
+        if (drainers_.load(std::memory_order_seq_cst) == 0) out_cv_.notify_one();
         ready_.clear();
         fired_.clear();
         messages_.clear();
@@ -588,6 +623,7 @@ class Engine {
     std::condition_variable wake_cv_;
     std::atomic<bool> sleeping_{false};
     std::mutex progress_mu_;      // held by whoever runs step(): the worker or a helper
+    std::atomic<int> drainers_{0};  // threads in drain(): the completion thread is not woken
     std::atomic<bool> stop_{false};
     std::atomic<uint64_t> posted_{0}, completed_{0}, bytes_{0}, eagain_{0};
     std::thread worker_;

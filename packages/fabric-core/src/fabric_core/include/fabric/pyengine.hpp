@@ -243,16 +243,18 @@ class PyEngine {
             py::gil_scoped_release release;
             b = engine_->wait_batch(timeout_s);
         }
-        py::list ok, failed, messages;
-        for (auto& c : b.done) {
-            if (c.status == kOk) {
-                ok.append(py::int_(c.id));
-            } else {
-                failed.append(py::make_tuple(c.id, c.status, c.message));
-            }
+        return to_python(b);
+    }
+
+    // (ok, failed, fired, messages) like wait_batch, taken by a thread that waits on a transfer
+    // and runs progress itself meanwhile (Engine::drain).
+    py::tuple drain(double timeout_s) {
+        Batch b;
+        {
+            py::gil_scoped_release release;
+            b = engine_->drain(timeout_s);
         }
-        for (auto& m : b.messages) messages.append(py::bytes(m));
-        return py::make_tuple(ok, failed, py::cast(b.fired), messages);
+        return to_python(b);
     }
 
     py::dict stats() const {
@@ -290,6 +292,19 @@ class PyEngine {
     Engine<Domain>& engine() { return *engine_; }
 
   private:
+    static py::tuple to_python(Batch& b) {
+        py::list ok, failed, messages;
+        for (auto& c : b.done) {
+            if (c.status == kOk) {
+                ok.append(py::int_(c.id));
+            } else {
+                failed.append(py::make_tuple(c.id, c.status, c.message));
+            }
+        }
+        for (auto& m : b.messages) messages.append(py::bytes(m));
+        return py::make_tuple(ok, failed, py::cast(b.fired), messages);
+    }
+
     void release(Registration<Mr>& reg) {
         for (size_t n = 0; n < reg.mrs.size(); n++) engine_->nic(n).deregister_memory(reg.mrs[n]);
         reg.mrs.clear();
@@ -346,6 +361,7 @@ void bind_engine(py::class_<Cls, Options...>& c) {
         .def("submit_send", &Cls::submit_send, py::arg("id"), py::arg("address"), py::arg("payload"))
         .def("check_peer", &Cls::check_peer, py::arg("id"), py::arg("address"))
         .def("wait_batch", &Cls::wait_batch, py::arg("timeout_s"))
+        .def("drain", &Cls::drain, py::arg("timeout_s"))
         .def("configure_fast", &Cls::configure_fast, py::arg("max_msg"), py::arg("sharded"), py::arg("pinned"),
              py::arg("shard_peers"), py::arg("descriptor"), py::arg("guarded"))
         .def("bind_region", &Cls::bind_region, py::arg("token"), py::arg("region_handle"), py::arg("region"))
