@@ -1,6 +1,7 @@
 """fabric-apps: applications built only on the public fabric contract (``fabric_core``).
 
 ``fabric_apps.kvcache``: disaggregated prefill→decode KV-cache transfer.
+``fabric_apps.moe``: expert-parallel MoE dispatch and combine over one-sided writes.
 """
 
 from __future__ import annotations

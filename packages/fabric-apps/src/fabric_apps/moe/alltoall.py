@@ -1,0 +1,648 @@
+"""``MoeAllToAll``: expert-parallel dispatch and combine over one-sided WriteImm.
+
+One instance per rank per buffer set. Each step is four calls, in order:
+
+1. ``dispatch_send(x, topk_idx, topk_weights)``: write this rank's token counts to every rank
+   (one scatter through the peer group, one imm per destination), then each token once to
+   every rank that owns at least one of its experts (one paged write per destination);
+2. ``dispatch_recv(timeout)``: wait, per source rank, for its count and then for exactly the
+   work requests its payload write carries; return the tokens grouped by local expert;
+3. ``combine_send(expert_outputs)``: write each output row back to its token's origin, at
+   the origin's slot ``(token, k)`` (one paged write per origin; an imm-only write where a
+   rank has nothing for an origin, so every pair of ranks signals in every phase);
+4. ``combine_recv(timeout)``: wait, per rank, for exactly its writes; return the top-k
+   weighted sum (``weighted_sum``: float32, ascending k).
+
+The send halves never block on the network and the receive halves are separate calls, so a
+caller overlaps them with compute, and runs micro-batches on separate instances (separate
+``layer`` ids). See ``docs/apps/moe.md`` for the protocol, buffer layout and imm layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import torch
+
+from fabric_core.api import TransferEngine
+from fabric_core.counters import Expectation
+from fabric_core.errors import (
+    ConfigError,
+    EngineClosed,
+    FabricError,
+    PeerUnreachable,
+    TransferTimeout,
+    TransportError,
+)
+from fabric_core.models import MemoryRegion
+from fabric_core.ops import (
+    ImmRequest,
+    PagedWriteRequest,
+    ScatterRequest,
+    ScatterTarget,
+    Sharded,
+    ShardPeers,
+    plan_request,
+)
+from fabric_core.rendezvous import Rendezvous
+from fabric_core.transfer import Transfer
+
+from ._routing import check_inputs, destinations, group_received, weighted_sum
+from .config import MoeConfig
+from .endpoint import MoeEndpoint
+from .errors import MoeProtocolError, MoeStateError, StepAborted
+from .imms import MAX_LAYER, Phase, moe_imm
+from .result import DispatchResult
+
+__all__ = ["DEFAULT_TIMEOUT_S", "MoeAllToAll"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 60.0
+"""Deadline of a receive half (and of draining the previous step's sends) when none is given."""
+
+_COUNT_BYTES = 16  # one count record: int64 tokens, int64 step
+_IDLE, _DISPATCHED, _RECEIVED, _COMBINING = "idle", "dispatched", "received", "combining"
+
+# layer ids in use per engine: two live instances on one engine must not share imms
+_claims: weakref.WeakKeyDictionary[TransferEngine, set[int]] = weakref.WeakKeyDictionary()
+_claims_lock = threading.Lock()
+
+
+def _pages(n: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+    return np.arange(n, dtype=np.int64)
+
+
+class MoeAllToAll:
+    """Dispatch and combine of one MoE layer (or of several run one after another on the
+    same buffers) for one rank.
+
+    ``layer`` (0..2047) goes into every imm: instances that are in flight at the same time
+    (layers with their own buffers, micro-batches) need distinct ids; one engine refuses two
+    live instances with the same id. Buffers are allocated and registered here, once, sized
+    for the worst case (``MoeConfig.buffer_bytes()``). Call ``connect`` (or
+    ``connect_rendezvous``) once with every rank's ``endpoint`` before the first step.
+
+    Not thread-safe: one caller thread per instance (a concurrent call raises
+    ``MoeStateError``). Any transport failure fails the call that meets it with
+    ``PeerUnreachable``, ``TransferTimeout`` or another ``TransportError``; later calls raise
+    ``StepAborted``.
+    """
+
+    def __init__(
+        self,
+        engine: TransferEngine,
+        config: MoeConfig,
+        *,
+        layer: int = 0,
+        timeout: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        if not isinstance(config, MoeConfig):
+            raise ConfigError(f"config must be a MoeConfig, got {type(config).__name__}")
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer <= MAX_LAYER:
+            raise ConfigError(f"layer must be an int in [0, {MAX_LAYER}], got {layer!r}")
+        if not timeout > 0:
+            raise ConfigError(f"timeout must be positive, got {timeout!r}")
+        self.engine, self.config, self.layer, self.timeout = engine, config, layer, float(timeout)
+        with _claims_lock:
+            held = _claims.setdefault(engine, set())
+            if layer in held:
+                raise ConfigError(
+                    f"layer id {layer} is already used by a live MoeAllToAll on this engine: "
+                    "instances in flight together need distinct ids (their imms would collide)"
+                )
+            held.add(layer)
+        self._regions: list[MemoryRegion] = []
+        try:
+            self._allocate()
+        except BaseException:
+            self._release()
+            raise
+        self._peers: tuple[MoeEndpoint, ...] = ()
+        self._group: Any = None
+        self._count_imms: tuple[int, ...] = ()
+        self._imm_cache: dict[tuple[int, int, int], int] = {}
+        self._step = 0
+        self._state = _IDLE
+        self._broken: BaseException | None = None
+        self._closed = False
+        self._busy = threading.Lock()
+        self._committed = False
+        self._dispatch_xfers: list[Transfer] = []
+        self._combine_xfers: list[Transfer] = []
+        # per step: inputs kept for the combine, and what the combine sends and expects
+        self._idx = torch.empty(0, config.top_k, dtype=torch.int64)
+        self._weights = torch.empty(0, config.top_k, dtype=torch.float32)
+        self._pairs_from = torch.zeros(config.world_size, dtype=torch.int64)
+        self._rows = 0
+        self._row_src_rank = torch.empty(0, dtype=torch.int64)
+        self._row_slot = torch.empty(0, dtype=torch.int64)
+
+    # --- buffers ------------------------------------------------------------------
+    def _allocate(self) -> None:
+        c = self.config
+        w, t, k, h = c.world_size, c.max_tokens, c.top_k, c.hidden
+        rec, meta = c.record_bytes, c.meta_bytes
+        dev = torch.device(c.device)
+        self._send_counts = torch.zeros(w, 2, dtype=torch.int64, device=dev)
+        self._recv_counts = torch.zeros(w, 2, dtype=torch.int64, device=dev)
+        self._send_tokens = torch.zeros(t, rec, dtype=torch.uint8, device=dev)
+        self._recv_tokens = torch.zeros(w * t, rec, dtype=torch.uint8, device=dev)
+        self._send_combine = torch.zeros(max(1, c.max_pairs), h, dtype=c.dtype, device=dev)
+        self._recv_combine = torch.zeros(t, k, h, dtype=c.dtype, device=dev)
+        # record views: int32 header (source token, K expert ids), then the hidden state
+        self._send_meta = self._send_tokens[:, :meta].view(torch.int32)
+        self._send_hidden = self._send_tokens[:, meta : meta + c.token_bytes].view(c.dtype)
+        self._recv_meta = self._recv_tokens[:, :meta].view(torch.int32)
+        self._recv_hidden = self._recv_tokens[:, meta : meta + c.token_bytes].view(c.dtype)
+        reg = self._register
+        self._send_counts_mr = reg(self._send_counts, False)
+        self._recv_counts_mr = reg(self._recv_counts, True)
+        self._send_tokens_mr = reg(self._send_tokens, False)
+        self._recv_tokens_mr = reg(self._recv_tokens, True)
+        self._send_combine_mr = reg(self._send_combine, False)
+        self._recv_combine_mr = reg(self._recv_combine, True)
+
+    def _register(self, tensor: torch.Tensor, writable: bool) -> MemoryRegion:
+        region = self.engine.register(tensor, writable=writable)
+        self._regions.append(region)
+        return region
+
+    @property
+    def endpoint(self) -> MoeEndpoint:
+        """What the other ranks need (pass every rank's to ``connect``)."""
+        e = self.engine
+        return MoeEndpoint(
+            rank=self.config.rank,
+            layer=self.layer,
+            fingerprint=self.config.fingerprint(),
+            num_nics=e.num_nics,
+            max_msg_size=e.capabilities.max_msg_size,
+            address=e.address,
+            counts=self._recv_counts_mr.descriptor,
+            tokens=self._recv_tokens_mr.descriptor,
+            combine=self._recv_combine_mr.descriptor,
+        )
+
+    @property
+    def step(self) -> int:
+        """Steps completed (a step ends with ``combine_recv``)."""
+        return self._step
+
+    @property
+    def local_experts(self) -> tuple[int, ...]:
+        return self.config.local_experts()
+
+    def expert_output_buffer(self, rows: int) -> torch.Tensor:
+        """A ``[rows, hidden]`` view of the registered combine send buffer: experts may write
+        their outputs here and pass it to ``combine_send``, which then copies nothing."""
+        if not 0 <= rows <= self._send_combine.shape[0]:
+            raise ConfigError(f"rows must be in [0, {self._send_combine.shape[0]}], got {rows}")
+        return self._send_combine[:rows]
+
+    # --- setup --------------------------------------------------------------------
+    def connect(self, endpoints: Sequence[MoeEndpoint | bytes]) -> None:
+        """Take every rank's endpoint (rank order, this rank's included) and resolve the peers
+        once (a peer group of all ranks). ``ConfigError`` if any disagrees with this rank."""
+        self._check_usable()
+        if self._peers:
+            raise MoeStateError("already connected")
+        c = self.config
+        eps = [MoeEndpoint.from_bytes(e) if isinstance(e, (bytes, bytearray)) else e for e in endpoints]
+        if len(eps) != c.world_size:
+            raise ConfigError(f"expected {c.world_size} endpoints (one per rank), got {len(eps)}")
+        mine = self.endpoint
+        for r, ep in enumerate(eps):
+            if not isinstance(ep, MoeEndpoint):
+                raise ConfigError(f"endpoint {r} must be a MoeEndpoint or its bytes, got {type(ep).__name__}")
+            if ep.rank != r:
+                raise ConfigError(f"endpoint {r} is rank {ep.rank}'s: pass them in rank order")
+            if ep.fingerprint != mine.fingerprint:
+                raise ConfigError(f"rank {r} has another layer config (fingerprint {ep.fingerprint})")
+            if ep.layer != self.layer:
+                raise ConfigError(f"rank {r} uses layer id {ep.layer}, this rank {self.layer}")
+            if ep.num_nics != mine.num_nics:
+                raise ConfigError(
+                    f"rank {r} has {ep.num_nics} NICs, this rank {mine.num_nics}: they must match"
+                )
+            if ep.max_msg_size < 1:
+                raise ConfigError(f"rank {r} reports max_msg_size {ep.max_msg_size}")
+        if eps[c.rank] != mine:
+            raise ConfigError(f"endpoint {c.rank} is not this instance's")
+        self._group = self.engine.peer_group([ep.address for ep in eps])
+        self._peers = tuple(eps)
+        # what each source's count scatter gives this rank, by the contract's counting rule
+        self._count_imms = tuple(
+            self._expected(
+                ep,
+                ScatterRequest(
+                    self._send_counts_mr,
+                    tuple(
+                        ScatterTarget(p.counts, _COUNT_BYTES, q * _COUNT_BYTES, ep.rank * _COUNT_BYTES)
+                        for q, p in enumerate(eps)
+                    ),
+                    moe_imm(self.layer, 0, Phase.COUNTS, ep.rank),
+                    ShardPeers(),
+                ),
+                target=c.rank,
+            )
+            for ep in eps
+        )
+        logger.debug("moe layer %d rank %d connected to %d ranks", self.layer, c.rank, c.world_size)
+
+    def connect_rendezvous(self, rendezvous: Rendezvous) -> None:
+        """``connect`` through a ``torch.distributed`` store (``fabric_core.Rendezvous``): every
+        rank publishes its endpoint under ``moe-layer<id>`` and gathers the others'."""
+        c = self.config
+        if rendezvous.rank != c.rank or rendezvous.world_size != c.world_size:
+            raise ConfigError(
+                f"rendezvous is rank {rendezvous.rank} of {rendezvous.world_size}, the layer "
+                f"rank {c.rank} of {c.world_size}"
+            )
+        self.connect(rendezvous.all_gather(f"moe-layer{self.layer}", self.endpoint.to_bytes()))
+
+    # --- counting rule ------------------------------------------------------------
+    @staticmethod
+    def _expected(sender: MoeEndpoint, request: Any, target: int = 0) -> int:
+        """How many imms ``target`` of ``request`` counts when ``sender`` posts it: the
+        contract's rule with the sender's NIC count and largest message size."""
+        return plan_request(request, sender.num_nics, sender.max_msg_size).imms_per_target[target]
+
+    def _payload_imms(self, phase: Phase, source: int, pages: int) -> int:
+        """Imms of source's paged write of ``pages`` records (dispatch) or rows (combine)."""
+        key = (int(phase), source, pages)
+        hit = self._imm_cache.get(key)
+        if hit is not None:
+            return hit
+        c, ep = self.config, self._peers[source]
+        imm = moe_imm(self.layer, 0, phase, source)
+        request: PagedWriteRequest | ImmRequest
+        if phase == Phase.DISPATCH:
+            rec = c.record_bytes
+            request = PagedWriteRequest(
+                self._send_tokens_mr, _pages(pages), rec, self._recv_tokens_mr.descriptor, _pages(pages),
+                rec, rec, 0, source * c.max_tokens * rec, imm, Sharded(),
+            )  # fmt: skip
+        elif pages:
+            tb = c.token_bytes
+            request = PagedWriteRequest(
+                self._recv_combine_mr, _pages(pages), tb, self._recv_combine_mr.descriptor, _pages(pages),
+                tb, tb, 0, 0, imm, Sharded(),
+            )  # fmt: skip
+        else:
+            request = ImmRequest(self._recv_combine_mr.descriptor, imm)
+        n = self._expected(ep, request)
+        self._imm_cache[key] = n
+        return n
+
+    # --- state --------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise MoeStateError("this MoeAllToAll is closed")
+        if self._broken is not None:
+            raise StepAborted(
+                f"moe layer {self.layer} rank {self.config.rank}: step {self._step} failed "
+                f"({type(self._broken).__name__}: {self._broken}); build a new instance"
+            ) from self._broken
+
+    @contextmanager
+    def _call(self, name: str, state: str) -> Iterator[None]:
+        """Run one half: refuse it out of order or concurrently; a failure poisons the
+        instance (its step's counts and buffers cannot be trusted any more)."""
+        self._check_usable()
+        if not self._peers:
+            raise MoeStateError(f"{name} before connect()")
+        if not self._busy.acquire(blocking=False):
+            raise MoeStateError(f"{name} while another call on this instance is running")
+        try:
+            if self._state != state:
+                raise MoeStateError(
+                    f"{name} called in state {self._state!r}: each step is dispatch_send, "
+                    "dispatch_recv, combine_send, combine_recv"
+                )
+            self._committed = False
+            try:
+                yield
+            except BaseException as exc:
+                # a caller mistake found before anything was posted or consumed leaves the
+                # instance as it was; anything else (transport, or past that point) poisons it
+                if not self._committed and not isinstance(
+                    exc, (TransportError, EngineClosed, MoeProtocolError)
+                ):
+                    raise
+                self._broken = exc
+                logger.debug(
+                    "moe layer %d rank %d: step %d failed: %s", self.layer, self.config.rank, self._step, exc
+                )
+                raise
+        finally:
+            self._busy.release()
+
+    def _drain(self, xfers: list[Transfer], deadline: float) -> None:
+        """Wait for the sends that last used a buffer we are about to overwrite."""
+        for x in xfers:
+            x.wait(max(0.0, deadline - time.monotonic()))
+        xfers.clear()
+
+    def _raise_failed_sends(self, xfers: list[Transfer]) -> None:
+        """Raise the error of a send of this step that already failed, naming its rank."""
+        for x in xfers:
+            if not x.done():
+                continue
+            exc = x.exception(0)
+            if exc is None:
+                continue
+            if not isinstance(exc, TransportError):
+                raise exc
+            ranks = [
+                r for r, p in enumerate(self._peers) if exc.peer is not None and str(p.address) == exc.peer
+            ]
+            who = f"rank {ranks[0]}" if ranks else "a peer"
+            where = f"moe layer {self.layer} step {self._step} rank {self.config.rank}"
+            raise type(exc)(
+                f"{where}: a write to {who} failed: {exc}",
+                peer=exc.peer,
+                nic=exc.nic,
+                transfer_id=exc.transfer_id,
+            ) from exc
+
+    def _deadline(self, timeout: float | None) -> float:
+        limit = self.timeout if timeout is None else timeout
+        if not limit >= 0:
+            raise ConfigError(f"timeout must be non-negative, got {timeout!r}")
+        return math.inf if math.isinf(limit) else time.monotonic() + limit
+
+    def _wait_all(self, phase: Phase, wants: Sequence[tuple[int, int]], deadline: float, what: str) -> None:
+        """Wait until each ``(source, n)`` of ``wants`` has counted ``n`` imms of ``phase``.
+
+        All sources are waited on at once (``expect`` naming each source as the peer), so
+        the first dead source fails the call at once, whatever its rank; at the deadline
+        nothing more is consumed and ``TransferTimeout`` lists each missing source's imm with
+        the counts it expected and received.
+        """
+        wants = [(src, n) for src, n in wants if n > 0]
+        if not wants:
+            return
+        where = f"moe layer {self.layer} step {self._step} rank {self.config.rank}"
+        lock, done = threading.Lock(), threading.Event()
+        left = [len(wants)]
+        failures: list[tuple[int, BaseException]] = []
+        armed: list[tuple[int, int, int, Expectation]] = []
+
+        def arm(src: int, n: int) -> None:
+            def ok() -> None:
+                with lock:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        done.set()
+
+            def bad(exc: BaseException) -> None:
+                with lock:
+                    failures.append((src, exc))
+                done.set()
+
+            imm = moe_imm(self.layer, self._step, phase, src)
+            peer = self._peers[src].address
+            armed.append((src, imm, n, self.engine.counter(imm).expect(n, ok, on_error=bad, peer=peer)))
+
+        for src, n in wants:
+            try:
+                arm(src, n)
+            except PeerUnreachable as exc:  # a source already known dead
+                for _s, _i, _n, e in armed:
+                    e.cancel()
+                raise PeerUnreachable(f"{where}: rank {src} is gone ({what}): {exc}", peer=exc.peer) from exc
+        limit = None if math.isinf(deadline) else max(0.0, deadline - time.monotonic())
+        if not done.wait(limit):
+            missing = [(src, imm, n) for src, imm, n, e in armed if e.cancel()]
+            if missing and not failures:
+                ranks = ", ".join(str(src) for src, _i, _n in missing)
+                raise TransferTimeout(
+                    f"{where}: {what} from rank(s) {ranks} incomplete at the deadline",
+                    expected={imm: n for _s, imm, n in missing},
+                    received={imm: self.engine.counter(imm).value for _s, imm, _n in missing},
+                    peer=str(self._peers[missing[0][0]].address),
+                )
+        if failures:
+            for _s, _i, _n, e in armed:
+                e.cancel()
+            src, error = failures[0]
+            if isinstance(error, PeerUnreachable):
+                raise PeerUnreachable(
+                    f"{where}: rank {src} is gone ({what}): {error}", peer=error.peer
+                ) from error
+            raise error
+
+    # --- dispatch -----------------------------------------------------------------
+    def dispatch_send(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        """Send this rank's tokens: ``x`` ``[T, H]`` (T <= max_tokens, T may be 0),
+        ``topk_idx`` ``[T, K]`` expert ids (-1: no expert), ``topk_weights`` ``[T, K]`` (kept
+        here for the combine). Returns once everything is posted."""
+        with self._call("dispatch_send", _IDLE):
+            c = self.config
+            x, idx, weights = check_inputs(c, x, topk_idx, topk_weights)
+            deadline = self._deadline(None)
+            self._committed = True  # from here on, buffers change and writes go out
+            self._drain(self._dispatch_xfers, deadline)
+            t = int(x.shape[0])
+            mask, pair_rank = destinations(c, idx)
+            per_rank = mask.sum(0)
+            self._send_meta[:t, 0] = torch.arange(t, dtype=torch.int32)
+            self._send_meta[:t, 1 : 1 + c.top_k] = idx.to(torch.int32)
+            self._send_hidden[:t].copy_(x)
+            self._send_counts[:, 0] = per_rank
+            self._send_counts[:, 1] = self._step
+            self._idx, self._weights = idx, weights
+            self._pairs_from = torch.bincount(pair_rank[pair_rank >= 0], minlength=c.world_size)
+            me, rec, eng = c.rank, c.record_bytes, self.engine
+            xfers = self._dispatch_xfers
+            xfers.append(
+                eng.submit_scatter(
+                    self._send_counts_mr,
+                    [
+                        ScatterTarget(p.counts, _COUNT_BYTES, q * _COUNT_BYTES, me * _COUNT_BYTES)
+                        for q, p in enumerate(self._peers)
+                    ],
+                    imm=moe_imm(self.layer, self._step, Phase.COUNTS, me),
+                    routing=ShardPeers(),
+                    group=self._group,
+                )
+            )
+            imm = moe_imm(self.layer, self._step, Phase.DISPATCH, me)
+            for q, p in enumerate(self._peers):
+                n = int(per_rank[q])
+                if n == 0:
+                    continue
+                tokens = mask[:, q].nonzero().flatten().numpy()
+                xfers.append(
+                    eng.submit_paged_write(
+                        self._send_tokens_mr,
+                        tokens,
+                        rec,
+                        p.tokens,
+                        _pages(n),
+                        rec,
+                        rec,
+                        dst_offset=me * c.max_tokens * rec,
+                        imm=imm,
+                        routing=Sharded(),
+                    )
+                )
+            self._state = _DISPATCHED
+
+    def dispatch_recv(self, timeout: float | None = None) -> DispatchResult:
+        """Wait for every rank's tokens (``timeout`` s for the whole call; None: the
+        instance's) and return them grouped by local expert."""
+        with self._call("dispatch_recv", _DISPATCHED):
+            c = self.config
+            deadline = self._deadline(timeout)
+            self._committed = True  # waits consume counts
+            self._raise_failed_sends(self._dispatch_xfers)
+            w, tmax = c.world_size, c.max_tokens
+            self._wait_all(Phase.COUNTS, list(enumerate(self._count_imms)), deadline, "token counts")
+            counts = self._recv_counts.to("cpu").clone()
+            n, steps = counts[:, 0], counts[:, 1]
+            for r in range(w):
+                if int(steps[r]) != self._step:
+                    raise MoeProtocolError(
+                        f"rank {r} sent the count of its step {int(steps[r])}, this rank is at step "
+                        f"{self._step}: every rank must run the same steps in the same order"
+                    )
+                if not 0 <= int(n[r]) <= tmax:
+                    raise MoeProtocolError(f"rank {r} announced {int(n[r])} tokens (max_tokens {tmax})")
+            wants = [(r, self._payload_imms(Phase.DISPATCH, r, int(n[r]))) for r in range(w) if int(n[r])]
+            self._wait_all(Phase.DISPATCH, wants, deadline, "tokens")
+            src_rank = torch.repeat_interleave(torch.arange(w, dtype=torch.int64), n)
+            first = torch.cumsum(n, 0) - n
+            rows = src_rank * tmax + (torch.arange(src_rank.numel(), dtype=torch.int64) - first[src_rank])
+            meta = self._recv_meta.index_select(0, rows.to(self._recv_meta.device)).to("cpu", torch.int64)
+            src_token, ids = meta[:, 0], meta[:, 1 : 1 + c.top_k]
+            self._check_records(src_rank, src_token, ids)
+            result = group_received(c, c.rank, src_rank, src_token, ids, self._recv_hidden, rows, n)
+            # the combine's plan: row i goes to rank src_rank[i], slot (token, k) of its buffer
+            self._rows = result.num_rows
+            self._row_src_rank = result.src_rank
+            self._row_slot = result.src_token * c.top_k + result.src_k
+            self._raise_failed_sends(self._dispatch_xfers)
+            self._state = _RECEIVED
+            return result
+
+    def _check_records(self, src_rank: torch.Tensor, src_token: torch.Tensor, ids: torch.Tensor) -> None:
+        c = self.config
+        if not src_rank.numel():
+            return
+        if int(src_token.min()) < 0 or int(src_token.max()) >= c.max_tokens:
+            raise MoeProtocolError("a received token names a source index outside [0, max_tokens)")
+        if int(ids.min()) < -1 or int(ids.max()) >= c.num_experts:
+            raise MoeProtocolError("a received token names an expert outside [-1, num_experts)")
+        owner = c.rank_table()[ids.clamp(min=0)]
+        if not bool(((owner == c.rank) & (ids >= 0)).any(1).all()):
+            raise MoeProtocolError(
+                "a received token has no expert on this rank: the ranks disagree on placement"
+            )
+
+    # --- combine ------------------------------------------------------------------
+    def combine_send(self, expert_outputs: torch.Tensor) -> None:
+        """Send the experts' outputs back: ``[num_rows, hidden]`` in the row order of the
+        ``DispatchResult`` (e.g. ``expert_output_buffer(num_rows)`` filled in place)."""
+        with self._call("combine_send", _RECEIVED):
+            c = self.config
+            y = expert_outputs
+            if not isinstance(y, torch.Tensor) or tuple(y.shape) != (self._rows, c.hidden):
+                got = list(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
+                raise MoeStateError(
+                    f"expert_outputs must be [{self._rows}, {c.hidden}] for this step, got {got}"
+                )
+            if y.dtype != c.dtype:
+                raise ConfigError(f"expert_outputs has dtype {y.dtype}, the layer's dtype is {c.dtype}")
+            deadline = self._deadline(None)
+            self._committed = True
+            self._drain(self._combine_xfers, deadline)
+            if self._rows and not (y.is_contiguous() and y.data_ptr() == self._send_combine.data_ptr()):
+                self._send_combine[: self._rows].copy_(y)
+            tb, eng, me = c.token_bytes, self.engine, c.rank
+            imm = moe_imm(self.layer, self._step, Phase.COMBINE, me)
+            for r, p in enumerate(self._peers):
+                rows = (self._row_src_rank == r).nonzero().flatten()
+                if rows.numel():
+                    slots = self._row_slot[rows]
+                    xfer = eng.submit_paged_write(
+                        self._send_combine_mr, rows.numpy(), tb, p.combine, slots.numpy(), tb, tb,
+                        imm=imm, routing=Sharded(),
+                    )  # fmt: skip
+                else:  # nothing for this origin: one imm still says "this rank is done"
+                    xfer = eng.submit_imm(p.combine, imm)
+                self._combine_xfers.append(xfer)
+            self._state = _COMBINING
+
+    def combine_recv(self, timeout: float | None = None) -> torch.Tensor:
+        """Wait for every rank's outputs for this rank's tokens and return ``[T, hidden]``:
+        per token, the top-k weighted sum in float32 in ascending k, cast to the dtype."""
+        with self._call("combine_recv", _COMBINING):
+            c = self.config
+            deadline = self._deadline(timeout)
+            self._committed = True
+            self._raise_failed_sends(self._combine_xfers)
+            wants = [
+                (q, self._payload_imms(Phase.COMBINE, q, int(self._pairs_from[q])))
+                for q in range(c.world_size)
+            ]
+            self._wait_all(Phase.COMBINE, wants, deadline, "expert outputs")
+            t = int(self._idx.shape[0])
+            out = weighted_sum(self._recv_combine[:t], self._weights, self._idx, c.dtype)
+            self._raise_failed_sends(self._combine_xfers)
+            self._step += 1
+            self._state = _IDLE
+            return out
+
+    # --- lifecycle ----------------------------------------------------------------
+    def close(self, timeout: float = 5.0) -> None:
+        """Wait up to ``timeout`` s for this rank's sends, deregister the buffers (unless the
+        engine is closed already) and free the layer id. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + timeout
+        for x in self._dispatch_xfers + self._combine_xfers:
+            try:
+                x.wait(max(0.0, deadline - time.monotonic()))
+            except FabricError:
+                pass
+        self._dispatch_xfers.clear()
+        self._combine_xfers.clear()
+        self._release()
+
+    def _release(self) -> None:
+        if not self.engine.closed:
+            for region in self._regions:
+                try:
+                    self.engine.deregister(region)
+                except (EngineClosed, ConfigError):
+                    pass
+        self._regions.clear()
+        with _claims_lock:
+            _claims.get(self.engine, set()).discard(self.layer)
+
+    def __enter__(self) -> MoeAllToAll:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"<MoeAllToAll layer={self.layer} rank={c.rank}/{c.world_size} step={self._step} "
+            f"state={self._state}{' broken' if self._broken else ''}>"
+        )

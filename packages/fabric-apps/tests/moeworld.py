@@ -1,0 +1,242 @@
+"""Helpers of the MoE tests: W ranks' engines on one private simulated fabric (threads, one
+process), routings, a row-wise expert function, bitwise checks and exact imm accounting."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from fabric_apps.moe import DispatchResult, MoeAllToAll, MoeConfig, Phase, moe_imm
+from fabric_sim import SimEngine, SimFabric
+
+T = 10.0  # every wait in these tests is bounded by this many seconds
+R = TypeVar("R")
+
+
+def expert_fn(expert: int, rows: torch.Tensor) -> torch.Tensor:
+    """A row-wise expert: the same bits for a row alone or inside any batch."""
+    scale, shift = 1.0 + expert / 8.0, expert / 16.0 - 0.5
+    return (rows.to(torch.float32) * scale + shift).to(rows.dtype)
+
+
+@dataclass
+class Inputs:
+    """Every rank's inputs for one step."""
+
+    xs: list[torch.Tensor]
+    idxs: list[torch.Tensor]
+    ws: list[torch.Tensor]
+
+
+def random_inputs(
+    config: MoeConfig,
+    seed: int,
+    tokens: Sequence[int] | None = None,
+    *,
+    kind: str = "uniform",
+) -> Inputs:
+    """Random hidden states and routings for every rank.
+
+    ``tokens[r]`` tokens on rank r (default: random in [0, max_tokens]). ``kind``: ``uniform``
+    (each token picks K distinct experts at random), ``skewed`` (every token picks experts
+    0..K-1: everything lands on the first rank(s)), ``masked`` (uniform, about a quarter of
+    the slots -1, some tokens with no expert at all).
+    """
+    g = torch.Generator().manual_seed(seed)
+    w, e, k, h = config.world_size, config.num_experts, config.top_k, config.hidden
+    if tokens is None:
+        tokens = [int(torch.randint(0, config.max_tokens + 1, (1,), generator=g)) for _ in range(w)]
+    xs, idxs, ws = [], [], []
+    for t in tokens:
+        xs.append(torch.randn(t, h, generator=g).to(config.dtype))
+        if kind == "skewed":
+            idx = torch.arange(k, dtype=torch.int64).repeat(t, 1)
+        else:
+            idx = (
+                torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+                if t
+                else torch.empty(0, k)
+            )
+            idx = idx.to(torch.int64)
+            if kind == "masked" and t:
+                drop = torch.rand(t, k, generator=g) < 0.25
+                drop[0] = True  # a token routed nowhere
+                idx = torch.where(drop, torch.full_like(idx, -1), idx)
+        idxs.append(idx)
+        # signed weights over a wide range: sums cancel, so an order other than ascending k
+        # changes bits even after the cast to bf16
+        ws.append(torch.randn(t, k, generator=g) * 2.0 ** torch.randint(-6, 7, (t, k), generator=g))
+    return Inputs(xs, idxs, ws)
+
+
+def parallel(fn: Callable[[int], R], n: int, timeout: float = 3 * T) -> list[R | BaseException]:
+    """Run ``fn(rank)`` for every rank in its own thread; each result or the exception it
+    raised. Fails the test if any thread is still running after ``timeout`` (a hang)."""
+    out: list[Any] = [None] * n
+
+    def run(r: int) -> None:
+        try:
+            out[r] = fn(r)
+        except BaseException as exc:
+            out[r] = exc
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout)
+    hung = [r for r, th in enumerate(threads) if th.is_alive()]
+    assert not hung, f"ranks {hung} still running after {timeout} s"
+    return out
+
+
+def unwrap(results: Sequence[R | BaseException]) -> list[R]:
+    for r, res in enumerate(results):
+        if isinstance(res, BaseException):
+            raise AssertionError(f"rank {r} failed: {type(res).__name__}: {res}") from res
+    return list(results)  # type: ignore[arg-type]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def assert_same_dispatch(got: DispatchResult, want: DispatchResult, rank: int) -> None:
+    assert got.experts == want.experts, rank
+    for name in ("expert_counts", "src_rank", "src_token", "src_k", "tokens_per_source"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype == torch.int64 and torch.equal(a, b), f"rank {rank} {name}: {a} != {b}"
+    assert got.tokens.dtype == want.tokens.dtype and got.tokens.shape == want.tokens.shape, rank
+    assert torch.equal(bits(got.tokens), bits(want.tokens)), f"rank {rank}: token bytes differ"
+
+
+def assert_same_output(got: torch.Tensor, want: torch.Tensor, rank: int) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape, (rank, got.shape, want.shape)
+    assert torch.equal(bits(got), bits(want)), f"rank {rank}: combined bytes differ"
+
+
+def pieces(nbytes: int, max_msg: int) -> int:
+    """Work requests one page of ``nbytes`` becomes (written out by hand, as a cross-check of
+    the contract's rule)."""
+    return max(1, -(-nbytes // max_msg))
+
+
+def expected_imms(config: MoeConfig, inputs: Inputs, max_msg: int) -> list[int]:
+    """Imms each rank counts in one step, from the routing alone."""
+    w, k = config.world_size, config.top_k
+    owner = config.rank_table()
+    total = [w] * w  # one count record from every rank
+    for r in range(w):
+        idx = inputs.idxs[r]
+        for q in range(w):
+            on_q = ((idx >= 0) & (owner[idx.clamp(min=0)] == q)).reshape(-1, k)
+            n_tokens, n_pairs = int(on_q.any(1).sum()), int(on_q.sum())
+            total[q] += n_tokens * pieces(config.record_bytes, max_msg)  # tokens r -> q
+            total[r] += n_pairs * pieces(config.token_bytes, max_msg) if n_pairs else 1  # q -> r
+    return total
+
+
+def expected_bytes(config: MoeConfig, inputs: Inputs, results: Sequence[DispatchResult]) -> list[int]:
+    """Bytes each rank writes in one step: each token once per destination rank."""
+    w, owner = config.world_size, config.rank_table()
+    out = []
+    for r in range(w):
+        idx = inputs.idxs[r]
+        hits = torch.zeros(idx.shape[0], w, dtype=torch.bool)
+        for q in range(w):
+            hits[:, q] = ((idx >= 0) & (owner[idx.clamp(min=0)] == q)).any(1)
+        out.append(16 * w + int(hits.sum()) * config.record_bytes + results[r].num_rows * config.token_bytes)
+    return out
+
+
+def layer_imms(config: MoeConfig, layer: int) -> list[int]:
+    return [
+        moe_imm(layer, step, phase, src)
+        for step in (0, 1)
+        for phase in (Phase.COUNTS, Phase.DISPATCH, Phase.COMBINE)
+        for src in range(config.world_size)
+    ]
+
+
+class MoeWorld:
+    """W engines on one private ``SimFabric``; closes everything it made."""
+
+    def __init__(self, seed: int, world_size: int, *, nics: int = 2, chunk_bytes: int = 64, **engine: Any):
+        self.fabric = SimFabric(seed, chunk_bytes=chunk_bytes)
+        self.engines: list[SimEngine] = [self.fabric.open_engine(nics, **engine) for _ in range(world_size)]
+        self.apps: list[MoeAllToAll] = []
+
+    @property
+    def max_msg_size(self) -> int:
+        return self.engines[0].capabilities.max_msg_size
+
+    def layer(self, config: MoeConfig, layer: int = 0, *, timeout: float = T) -> list[MoeAllToAll]:
+        """One connected instance per rank (endpoints passed in process, as bytes)."""
+        moes = [
+            MoeAllToAll(e, config.for_rank(r), layer=layer, timeout=timeout)
+            for r, e in enumerate(self.engines)
+        ]
+        self.apps.extend(moes)
+        endpoints = [m.endpoint.to_bytes() for m in moes]
+        for m in moes:
+            m.connect(endpoints)
+        return moes
+
+    def received(self) -> list[int]:
+        return [e.stats().imms_received for e in self.engines]
+
+    def written(self) -> list[int]:
+        return [e.stats().bytes_written for e in self.engines]
+
+    def close(self) -> None:
+        for app in reversed(self.apps):
+            app.close(timeout=1.0)
+        for e in reversed(self.engines):
+            e.close(timeout=2.0)
+
+
+def step(moe: MoeAllToAll, inputs: Inputs, rank: int) -> tuple[DispatchResult, torch.Tensor]:
+    """One whole step of one rank with ``expert_fn`` as the experts."""
+    from fabric_apps.moe import apply_experts
+
+    moe.dispatch_send(inputs.xs[rank], inputs.idxs[rank], inputs.ws[rank])
+    res = moe.dispatch_recv(T)
+    moe.combine_send(apply_experts(res, expert_fn))
+    return res, moe.combine_recv(T)
+
+
+def baseline_worker(
+    rank: int, world_size: int, store_path: str, out_path: str, config_kw: dict[str, Any], seeds: list[int]
+) -> None:
+    """One rank of the collectives baseline in a spawned process (gloo over a FileStore):
+    runs one step per seed and saves what it got to ``out_path``."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from fabric_apps.moe import apply_experts
+    from fabric_apps.moe.baseline import CollectiveMoe
+
+    store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+    )
+    try:
+        config = MoeConfig(**config_kw, rank=rank)
+        moe = CollectiveMoe(config)
+        saved = []
+        for seed in seeds:
+            inputs = random_inputs(config, seed)  # every rank draws every rank's inputs alike
+            res = moe.dispatch(inputs.xs[rank], inputs.idxs[rank], inputs.ws[rank])
+            out = moe.combine(apply_experts(res, expert_fn))
+            saved.append({**{k: getattr(res, k) for k in _RESULT_FIELDS}, "out": out})
+        torch.save(saved, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+_RESULT_FIELDS = ("tokens", "expert_counts", "src_rank", "src_token", "src_k", "tokens_per_source")
