@@ -163,7 +163,7 @@ def _efa(session: nox.Session) -> None:
         "--fabric-seeds",
         os.environ.get("FABRIC_EFA_SEEDS", "2"),
         "--cov=fabric_efa",
-        "--cov=fabric_core.native",
+        "--cov=fabric_core",
         "--cov-report=term",
         *session.posargs,
         env={"FI_TCP_IFACE": "lo", "COVERAGE_FILE": str(ROOT / ".coverage.efa")},
