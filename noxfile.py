@@ -85,7 +85,8 @@ def check(session: nox.Session) -> None:
     _typecheck(session)
     _docs(session)
     _pytest(session)
-    _efa(session)  # last: installing fabric-efa changes what the registry tests see
+    _efa(session)  # last: installing the backends changes what the registry tests see
+    _verbs(session)
 
 
 @nox.session
@@ -170,11 +171,46 @@ def _efa(session: nox.Session) -> None:
     )
 
 
+def _verbs(session: nox.Session) -> None:
+    """Build fabric-verbs against the system libibverbs (installing libibverbs-dev when missing),
+    check its stub, and run its tests: the device-free parts here, the conformance suite where an
+    RDMA device exists (collected and skipped with the reason elsewhere)."""
+    _system_packages(session, "libibverbs-dev", "g++", "cmake", "pkg-config")
+    session.install(*CONSTRAINTS, "pybind11", "scikit-build-core")
+    session.install(*CONSTRAINTS, "--no-build-isolation", "./packages/fabric-verbs")
+    session.run(
+        "python",
+        "-m",
+        "mypy.stubtest",
+        "fabric_verbs._verbs",
+        "--allowlist",
+        "packages/fabric-verbs/stubtest-allowlist.txt",
+    )
+    session.run(
+        "pytest",
+        "packages/fabric-verbs/tests",
+        "-q",
+        "--fabric-seeds",
+        os.environ.get("FABRIC_VERBS_SEEDS", "2"),
+        "--cov=fabric_verbs",
+        "--cov-report=term",
+        *session.posargs,
+        env={"COVERAGE_FILE": str(ROOT / ".coverage.verbs")},
+    )
+
+
 @nox.session
 def efa(session: nox.Session) -> None:
     """fabric-efa only: build, stubtest, conformance on shm and tcp (FABRIC_EFA_SEEDS seeds)."""
     _install(session, "test", "lint")
     _efa(session)
+
+
+@nox.session
+def verbs(session: nox.Session) -> None:
+    """fabric-verbs only: build, stubtest, tests (the conformance suite where an RDMA device exists)."""
+    _install(session, "test", "lint")
+    _verbs(session)
 
 
 @nox.session(venv_backend="none")

@@ -74,8 +74,10 @@ def test_info_json_lists_the_sim_backend_and_every_setting() -> None:
         assert not entry["available"]
         if not entry["installed"]:
             assert "pip install" in entry["reason"]
-        else:
-            assert "fi_getinfo found no RDM endpoint" in entry["reason"]
+        else:  # installed, but no provider or device can run here
+            assert any(
+                why in entry["reason"] for why in ("fi_getinfo found no RDM endpoint", "no RDMA device found")
+            )
 
     settings = {s["name"]: s for s in doc["settings"]}
     assert set(settings) == set(FabricSettings.model_fields)
@@ -103,7 +105,9 @@ def test_info_text_names_backends_and_settings() -> None:
     result = run("info")
     assert result.exit_code == 0, result.output
     assert "sim: available" in result.output
-    assert "verbs: not installed" in result.output
+    assert (
+        "verbs: not installed" in result.output or "verbs: UNAVAILABLE (no RDMA device found" in result.output
+    )
     for name in FabricSettings.model_fields:
         assert f"FABRIC_{name.upper()}=" in result.output
     env_only = run("info", "--env")

@@ -106,7 +106,8 @@ def fake_entry_points(monkeypatch: pytest.MonkeyPatch, **backends: str) -> None:
 
 def test_sim_is_installed() -> None:
     assert installed_backends()["sim"] == "fabric_sim:SimBackend"
-    assert "verbs" not in installed_backends()  # not written yet
+    # the compiled backends are installed by their own sessions, after these tests
+    assert installed_backends().get("verbs", "fabric_verbs:VerbsBackend") == "fabric_verbs:VerbsBackend"
 
 
 def test_load_sim() -> None:
@@ -178,7 +179,8 @@ def test_auto_without_rdma_backends() -> None:
     assert "backend='sim'" in msg and "FABRIC_BACKEND=sim" in msg
     # efa is named whether it is missing or installed without a usable provider
     assert "fabric backend 'efa' is not installed" in msg or "efa: fi_getinfo found no RDM endpoint" in msg
-    assert "fabric backend 'verbs' is not installed" in msg
+    # verbs likewise: missing, or installed on a host with no RDMA device
+    assert "fabric backend 'verbs' is not installed" in msg or "verbs: no RDMA device found" in msg
     with pytest.raises(BackendUnavailable, match="FABRIC_BACKEND=sim"):
         open_engine(backend="auto")
 

@@ -19,6 +19,10 @@
 //   uint64_t insert_peer(const std::string& address);    // peer handle (fi_addr_t, ...)
 //   bool virt_addr() const;                              // remote addresses are virtual
 //   int post_write(const WriteOp&, void* ctx);           // 0, -EAGAIN (retry later), -errno
+//                                                        // (-EHOSTUNREACH, -ECONNREFUSED,
+//                                                        // -ENOTCONN: PeerUnreachable); a post
+//                                                        // that returned 0 may still fail later
+//                                                        // through the sink's on_error
 //   int post_send(const void* buf, size_t len, void* desc, uint64_t peer, void* ctx);
 //   int post_recv(void* buf, size_t len, void* desc, void* ctx);
 //   void* local_desc(void* buf, size_t len);             // register engine-owned buffers
@@ -447,7 +451,9 @@ class Engine {
                 q.pop_front();
                 any = true;
                 if (rc != 0) {
-                    fail_op(*op, kTransport, "posting failed: error " + std::to_string(-rc));
+                    bool unreachable = rc == -EHOSTUNREACH || rc == -ECONNREFUSED || rc == -ENOTCONN;
+                    fail_op(*op, unreachable ? kPeerUnreachable : kTransport,
+                            std::string("posting failed: ") + std::strerror(-rc));
                 } else {
                     posted_++;
                 }
