@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,7 +28,10 @@ from .errors import ConfigError, EngineClosed, PeerUnreachable, TransferTimeout
 from .models import DomainAddress
 from .transfer import CallbackDispatcher
 
-__all__ = ["CounterTable", "Expectation", "ImmCounter", "NativeCounterTable", "NativeTable", "check_imm"]
+if TYPE_CHECKING:
+    from ._native_api import NativeTableApi as NativeTable
+
+__all__ = ["CounterTable", "Expectation", "ImmCounter", "NativeCounterTable", "check_imm"]
 
 IMM_LIMIT = 1 << 32
 
@@ -362,23 +365,6 @@ class TableCounter(ImmCounter):
 
 # --- the C++ table ---------------------------------------------------------------------------
 _OK, _QUEUED, _TIMEOUT, _PEER_LOST, _FAILED = range(5)  # fabric/counters.hpp CounterCode
-
-
-class NativeTable(Protocol):
-    """What a compiled backend's ``CounterTable`` binding offers (fabric/pycounters.hpp)."""
-
-    def add(self, imm: int, n: int, received: bool) -> list[int]: ...
-    def value(self, imm: int) -> int: ...
-    def snapshot(self) -> list[tuple[int, int]]: ...
-    def received(self) -> int: ...
-    def arm(self, imm: int, n: int, peer: bytes, token: int) -> int: ...
-    def withdraw(self, imm: int, token: int) -> tuple[int, list[int]]: ...
-    def wait(
-        self, imm: int, n: int, peer: bytes, timeout_s: float
-    ) -> tuple[int, int, list[int], BaseException | None]: ...
-    def fail_peer(self, peer: bytes) -> list[int]: ...
-    def revive_peer(self, peer: bytes) -> None: ...
-    def fail_all(self) -> list[int]: ...
 
 
 class NativeCounterTable(CounterTable):

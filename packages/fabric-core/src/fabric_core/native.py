@@ -20,11 +20,11 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from .api import EngineStats
 from .base import EngineBase, Registration
-from .counters import CounterTable, NativeCounterTable, NativeTable
+from .counters import CounterTable, NativeCounterTable
 from .errors import EngineClosed, FabricError, PeerUnreachable, RemoteAccessError, TransportError
 from .memory import MemorySpan, index_array
 from .models import Capabilities, DomainAddress, DomainInfo, MemoryRegion, MemoryRegionDescriptor
@@ -43,7 +43,10 @@ from .ops import (
 from .settings import FabricSettings
 from .transfer import Transfer
 
-__all__ = ["HEADER_BYTES", "NativeCore", "NativeEngine"]
+if TYPE_CHECKING:
+    from ._native_api import NativeCoreApi as NativeCore
+
+__all__ = ["HEADER_BYTES", "NativeEngine"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,77 +61,6 @@ _STATUS: dict[int, type[TransportError]] = {1: PeerUnreachable, 2: RemoteAccessE
 _CLOSED = 4
 _DRAIN_S = 0.002  # how long a waiter drains completions itself before sleeping on its event
 _completers = itertools.count(1)
-
-
-class NativeCore(Protocol):
-    """What a compiled engine offers (fabric/pyengine.hpp's ``bind_engine``)."""
-
-    def addresses(self) -> list[bytes]: ...
-    def counters(self) -> NativeTable: ...
-    def register_memory(self, ptr: int, length: int, remote_write: bool) -> tuple[int, list[int]]: ...
-    def deregister(self, handle: int) -> None: ...
-    def submit_write(
-        self,
-        id: int,
-        src_handle: int,
-        src_base: int,
-        nic: Any,
-        target: Any,
-        src_off: Any,
-        dst_off: Any,
-        length: Any,
-        imm: int,
-        targets: list[tuple[list[bytes], list[int], int]],
-    ) -> None: ...
-    def submit_send(self, id: int, address: bytes, payload: bytes) -> None: ...
-    def check_peer(self, id: int, address: bytes) -> None: ...
-    def wait_batch(
-        self, timeout_s: float
-    ) -> tuple[list[int], list[tuple[int, int, str]], list[int], list[bytes]]: ...
-    def drain(
-        self, timeout_s: float
-    ) -> tuple[list[int], list[tuple[int, int, str]], list[int], list[bytes]]: ...
-    def configure_fast(
-        self,
-        max_msg: int,
-        sharded: object,
-        pinned: object,
-        shard_peers: object,
-        descriptor: object,
-        guarded: bool,
-    ) -> None: ...
-    def bind_region(self, token: int, region_handle: int, region: object) -> None: ...
-    def fast_write(
-        self,
-        id: int,
-        src: object,
-        src_offset: object,
-        length: object,
-        dst: object,
-        dst_offset: object,
-        imm: object,
-        routing: object,
-    ) -> int: ...
-    def fast_paged(
-        self,
-        id: int,
-        src: object,
-        src_pages: object,
-        src_stride: object,
-        dst: object,
-        dst_pages: object,
-        dst_stride: object,
-        page_length: object,
-        src_offset: object,
-        dst_offset: object,
-        imm: object,
-        routing: object,
-    ) -> int: ...
-    def fast_imm(self, id: int, dst: object, imm: object, routing: object) -> int: ...
-    def fast_submitted(self) -> int: ...
-    def stats(self) -> dict[str, int]: ...
-    def close(self) -> None: ...
-    def destroy(self) -> None: ...
 
 
 class NativeEngine(EngineBase):

@@ -5,6 +5,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from fabric_core._native_api import NativeCoreApi, NativeTableApi
+
 ADDRESS_BYTES: int
 HANDSHAKE_BYTES: int
 MAX_SGE_BYTES: int
@@ -80,22 +82,10 @@ class HandshakeMachine:
     @fail_connect.setter
     def fail_connect(self, value: bool) -> None: ...
 
-class CounterTable:
+class CounterTable(NativeTableApi):
     def __init__(self) -> None: ...
-    def add(self, imm: int, n: int, received: bool) -> list[int]: ...
-    def value(self, imm: int) -> int: ...
-    def snapshot(self) -> list[tuple[int, int]]: ...
-    def received(self) -> int: ...
-    def arm(self, imm: int, n: int, peer: bytes, token: int) -> int: ...
-    def withdraw(self, imm: int, token: int) -> tuple[int, list[int]]: ...
-    def wait(
-        self, imm: int, n: int, peer: bytes, timeout_s: float
-    ) -> tuple[int, int, list[int], BaseException | None]: ...
-    def fail_peer(self, peer: bytes) -> list[int]: ...
-    def revive_peer(self, peer: bytes) -> None: ...
-    def fail_all(self) -> list[int]: ...
 
-class Engine:
+class Engine(NativeCoreApi):
     def __init__(
         self,
         devices: list[str],
@@ -108,81 +98,4 @@ class Engine:
     ) -> None: ...
     def domain_info(self) -> list[dict[str, Any]]: ...
     def domain_stats(self) -> list[dict[str, int]]: ...
-    def addresses(self) -> list[bytes]: ...
     def counters(self) -> CounterTable: ...
-    def register_memory(self, ptr: int, length: int, remote_write: bool) -> tuple[int, list[int]]: ...
-    def deregister(self, handle: int) -> None: ...
-    def submit_write(
-        self,
-        id: int,
-        src_handle: int,
-        src_base: int,
-        nic: npt.NDArray[np.int64],
-        target: npt.NDArray[np.int64],
-        src_off: npt.NDArray[np.int64],
-        dst_off: npt.NDArray[np.int64],
-        length: npt.NDArray[np.int64],
-        imm: int,
-        targets: list[tuple[list[bytes], list[int], int]],
-    ) -> None: ...
-    def configure_fast(
-        self,
-        max_msg: int,
-        sharded: object,
-        pinned: object,
-        shard_peers: object,
-        descriptor: object,
-        guarded: bool,
-    ) -> None: ...
-    def bind_region(self, token: int, region_handle: int, region: object) -> None: ...
-    def fast_write(
-        self,
-        id: int,
-        src: object,
-        src_offset: object,
-        length: object,
-        dst: object,
-        dst_offset: object,
-        imm: object,
-        routing: object,
-    ) -> int: ...
-    def fast_paged(
-        self,
-        id: int,
-        src: object,
-        src_pages: object,
-        src_stride: object,
-        dst: object,
-        dst_pages: object,
-        dst_stride: object,
-        page_length: object,
-        src_offset: object,
-        dst_offset: object,
-        imm: object,
-        routing: object,
-    ) -> int: ...
-    def fast_imm(self, id: int, dst: object, imm: object, routing: object) -> int: ...
-    def fast_submitted(self) -> int: ...
-    def plan_only(
-        self, kind: str, args: tuple[object, ...], rotation: int
-    ) -> (
-        tuple[
-            npt.NDArray[np.int64],
-            npt.NDArray[np.int64],
-            npt.NDArray[np.int64],
-            npt.NDArray[np.int64],
-            npt.NDArray[np.int64],
-        ]
-        | None
-    ): ...
-    def submit_send(self, id: int, address: bytes, payload: bytes) -> None: ...
-    def check_peer(self, id: int, address: bytes) -> None: ...
-    def wait_batch(
-        self, timeout_s: float
-    ) -> tuple[list[int], list[tuple[int, int, str]], list[int], list[bytes]]: ...
-    def drain(
-        self, timeout_s: float
-    ) -> tuple[list[int], list[tuple[int, int, str]], list[int], list[bytes]]: ...
-    def stats(self) -> dict[str, int]: ...
-    def close(self) -> None: ...
-    def destroy(self) -> None: ...
