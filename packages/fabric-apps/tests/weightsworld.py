@@ -257,7 +257,8 @@ class Rig:
         plan: TransferPlan | None = None,
     ) -> None:
         self.fabric = SimFabric(seed, chunk_bytes=chunk_bytes)
-        self.plan = plan or make_plan(src, dst, options or PlanOptions(num_nics=nics))
+        # an empty plan is falsy (no rows): test for None
+        self.plan = plan if plan is not None else make_plan(src, dst, options or PlanOptions(num_nics=nics))
         self.src, self.dst = self.plan.source, self.plan.destination
         extra: dict[str, Any] = {"timeout_s": T}
         if max_msg_size is not None:
