@@ -688,20 +688,13 @@ class KvDecoder:
             if self._closed:
                 return
             try:
-                message = self.engine.recv(timeout=wait)
-            except TransferTimeout:
-                continue
+                got = wire.next_message(self.engine, wait, "decoder")
             except EngineClosed:
                 self._engine_gone()
                 return
-            except Exception:
-                logger.exception("kvcache: decoder receive failed")
+            if got is None:
                 continue
-            try:
-                msg = wire.decode(message.data)
-            except wire.ProtocolError as exc:
-                logger.warning("kvcache: dropped a message from %s: %s", message.peer, exc)
-                continue
+            message, msg = got
             with self._lock:
                 peer = self._peers.get(message.peer.raw)
             if peer is None:

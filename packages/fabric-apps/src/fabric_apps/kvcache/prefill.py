@@ -513,20 +513,13 @@ class KvPrefiller:
     def _serve(self) -> None:
         while not self._closed:
             try:
-                message = self.engine.recv(timeout=self._poll)
-            except TransferTimeout:
-                continue
+                got = wire.next_message(self.engine, self._poll, "prefiller")
             except EngineClosed:
                 self._engine_gone()
                 return
-            except Exception:
-                logger.exception("kvcache: prefiller receive failed")
+            if got is None:
                 continue
-            try:
-                msg = wire.decode(message.data)
-            except wire.ProtocolError as exc:
-                logger.warning("kvcache: dropped a message from %s: %s", message.peer, exc)
-                continue
+            message, msg = got
             try:
                 with self._lock:
                     if isinstance(msg, wire.Hello):

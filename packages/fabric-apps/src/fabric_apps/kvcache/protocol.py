@@ -19,6 +19,7 @@ DONE     prefill → decode  seq, status, whether the count is exact, imms its c
 
 from __future__ import annotations
 
+import logging
 import struct
 import zlib
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from typing import Union
 
 import numpy as np
 
+from fabric_core.api import TransferEngine
 from fabric_core.errors import (
     ConfigError,
     EngineClosed,
@@ -37,6 +39,7 @@ from fabric_core.errors import (
     TransportError,
 )
 from fabric_core.models import MemoryRegionDescriptor
+from fabric_core.ops import Message
 
 from .allocator import Pages
 from .errors import RequestAborted, RequestCancelled
@@ -54,7 +57,10 @@ __all__ = [
     "decode",
     "encode",
     "error_from_wire",
+    "next_message",
 ]
+
+logger = logging.getLogger(__name__)
 
 MAGIC = b"FKV"
 VERSION = 1
@@ -270,6 +276,25 @@ _WIRE_ERRORS: dict[str, type[FabricError]] = {
         RequestCancelled,
     )
 }
+
+
+def next_message(engine: TransferEngine, timeout: float | None, who: str) -> tuple[Message, Msg] | None:
+    """The next control message on ``engine``, decoded; None if none came within ``timeout``
+    or it was not one of ours (logged and dropped). ``EngineClosed`` propagates."""
+    try:
+        message = engine.recv(timeout=timeout)
+    except TransferTimeout:
+        return None
+    except EngineClosed:
+        raise
+    except Exception:
+        logger.exception("kvcache: %s receive failed", who)
+        return None
+    try:
+        return message, decode(message.data)
+    except ProtocolError as exc:
+        logger.warning("kvcache: dropped a message from %s: %s", message.peer, exc)
+        return None
 
 
 def error_name(exc: BaseException) -> str:
