@@ -146,7 +146,7 @@ def bench(session: nox.Session) -> None:
 def _efa(session: nox.Session) -> None:
     """Build fabric-efa against the system libfabric (installing libfabric-dev when missing),
     check its stub with stubtest, and run the conformance suite on shm and tcp;ofi_rxm."""
-    _system_packages(session, "libfabric-dev", "g++", "cmake", "pkg-config")
+    _system_packages(session, "libfabric-dev", "g++", "cmake", "pkg-config", "iproute2", "nftables")
     session.install(*CONSTRAINTS, "pybind11", "scikit-build-core")
     session.install(*CONSTRAINTS, "--no-build-isolation", "./packages/fabric-efa")
     session.run(

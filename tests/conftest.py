@@ -16,9 +16,9 @@ def misplaced_writes(monkeypatch: pytest.MonkeyPatch) -> None:
     """A broken backend: every simulated single write lands one byte past where it was asked to."""
     original = fabric_sim.SimEngine.submit
 
-    def off_by_one(self: fabric_sim.SimEngine, request: Any) -> Any:
+    def off_by_one(self: fabric_sim.SimEngine, request: Any, **kw: Any) -> Any:
         if isinstance(request, WriteRequest):
             request = dataclasses.replace(request, dst_offset=request.dst_offset + 1)
-        return original(self, request)
+        return original(self, request, **kw)
 
     monkeypatch.setattr(fabric_sim.SimEngine, "submit", off_by_one)

@@ -15,7 +15,7 @@ NAME = re.compile(r"`(test_[a-z0-9_]+)(?:\[[^\]]*\])?`")
 
 def _known_tests() -> set[str]:
     names = {n for n in dir(TransferEngineConformance) if n.startswith("test_")}
-    for path in (ROOT / "tests").glob("test_*.py"):
+    for path in [*(ROOT / "tests").glob("test_*.py"), *(ROOT / "packages").glob("*/tests/test_*.py")]:
         tree = ast.parse(path.read_text())
         names |= {
             n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")

@@ -27,6 +27,8 @@ def test_defaults() -> None:
         "nics": None,
         "max_msg_size": None,
         "timeout_s": 60.0,
+        "liveness_interval_s": 1.0,
+        "liveness_timeout_s": 10.0,
         "recv_depth": 64,
         "max_send_size": 65536,
         "chaos_seed": None,

@@ -65,7 +65,15 @@ inline int getinfo(fi_info* hints, fi_info** out) {
     return fi_getinfo(FI_VERSION(1, 17), nullptr, nullptr, 0, hints, out);
 }
 
-inline int32_t status_of(int err) {
+// ``prov_errno``: the provider's own errno, where it gives one: an operation it cancelled
+// because the connection went (tcp: FI_ECANCELED with ENOTCONN) is about the peer.
+inline int32_t status_of(int err, int prov_errno = 0) {
+    if (err == FI_ECANCELED) {
+        int e = prov_errno < 0 ? -prov_errno : prov_errno;
+        bool connection = e == ENOTCONN || e == ECONNRESET || e == EPIPE || e == ECONNREFUSED ||
+                          e == ECONNABORTED || e == EHOSTUNREACH || e == ETIMEDOUT;
+        return connection ? kPeerUnreachable : kTransport;
+    }
     switch (err) {
         case FI_EHOSTUNREACH:
         case FI_ECONNREFUSED:
@@ -112,6 +120,7 @@ class LibfabricDomain {
         int rc = getinfo(hints, &info_);
         fi_freeinfo(hints);
         if (rc != 0) throw LibfabricError("fi_getinfo(" + provider + ")", rc);
+        shm_ = info_->fabric_attr->prov_name && std::string(info_->fabric_attr->prov_name) == "shm";
         try {
             SignalGuard guard;
             check(fi_fabric(info_->fabric_attr, &fabric_, nullptr), "fi_fabric");
@@ -173,6 +182,19 @@ class LibfabricDomain {
         int n = fi_av_insert(av_, padded, 1, &out, 0, nullptr);
         if (n != 1) throw LibfabricError("fi_av_insert", n < 0 ? n : -FI_EINVAL);
         return out;
+    }
+
+    // Forgets a lost peer: the provider drops its connection state (rxm closes the
+    // connection), so the same address inserted again reaches whatever process owns it now.
+    // Not on shm: its address-vector entry maps the peer's shared-memory region, which a
+    // peer that was only silent (stopped) still writes commands through once it resumes;
+    // removing it under those commands crashes the provider (seen: SIGSEGV, and a spinlock
+    // never released). A restarted shm process has a new address, so nothing is lost.
+    void remove_peer(uint64_t peer) {
+        if (shm_) return;
+        fi_addr_t addr = peer;
+        std::lock_guard<std::mutex> lock(av_mu_);
+        fi_av_remove(av_, &addr, 1, 0);
     }
 
     using Mr = fid_mr*;
@@ -251,7 +273,7 @@ class LibfabricDomain {
                 char buf[256] = {0};
                 const char* detail = fi_cq_strerror(cq_, err.prov_errno, err.err_data, buf, sizeof(buf));
                 std::string message = std::string(fi_strerror(err.err)) + (detail ? std::string(" (") + detail + ")" : "");
-                sink.on_error(err.op_context, status_of(err.err), message);
+                sink.on_error(err.op_context, status_of(err.err, err.prov_errno), message);
             }
             return 1;
         }
@@ -298,6 +320,7 @@ class LibfabricDomain {
     fid_cq* cq_ = nullptr;
     fid_ep* ep_ = nullptr;
     std::mutex av_mu_;
+    bool shm_ = false;  // the shm provider (see remove_peer)
     std::string address_;
     std::vector<fid_mr*> local_mrs_;
     static constexpr uint64_t kLocalKeyBase = uint64_t(1) << 48;

@@ -23,6 +23,7 @@ from fabric_core.testing.remote import RemoteHarness, WorkerPool
 os.environ.setdefault("FI_TCP_IFACE", "lo")  # never the first interface: loopback only
 
 PROVIDERS = {"shm": "shm", "tcp": "tcp;ofi_rxm"}
+LIVENESS = {"liveness_interval_s": 0.2, "liveness_timeout_s": 2.0}
 MAX_NICS = 4
 
 
@@ -73,12 +74,22 @@ def fabric_harness(request: pytest.FixtureRequest, fabric_seed: int) -> Iterator
     if mode == "2proc":
         harness = RemoteHarness(
             request.getfixturevalue("worker_pool"),
-            {"backend": "efa", "efa_provider": provider, "chaos_seed": fabric_seed, "timeout_s": 20},
+            {
+                "backend": "efa",
+                "efa_provider": provider,
+                "chaos_seed": fabric_seed,
+                "timeout_s": 20,
+                **LIVENESS,
+            },
             max_nics=MAX_NICS,
             reports_remote_access_errors=False,
-            # shm and tcp are silent about a peer closed in another process until the
-            # liveness protocol exists (the failure-contract issue)
-            detects_closed_peers=False,
+            # shm and tcp are silent about a peer closed in another process: the liveness
+            # probes tell (within LIVENESS's interval + timeout)
+            detects_closed_peers=True,
+            # SIGSTOP of the engine's worker process. Not on shm: a process stopped while it
+            # holds its shared-memory region's lock blocks every writer inside the provider
+            # (docs/concepts/failures.md, "Known limits")
+            supports_stall=name == "tcp",
         )
     else:
         harness = EfaHarness(provider, chaos_seed=fabric_seed)

@@ -160,6 +160,20 @@ class VerbsDomain {
         return c.handle;
     }
 
+    // The engine lost this peer (failure detection): its queue pairs go (what was posted on
+    // them fails, flushed) and its handshake starts over on the next use, so a restarted
+    // process behind the same address gets new queue pairs.
+    void remove_peer(uint64_t handle) {
+        Conn* c = conn_of(handle);
+        if (!c) return;
+        teardown(*c, kPeerUnreachable, "the peer " + peer_name(*c) + " was declared lost");
+        if (c->self) {
+            c->data.connected = false;
+        } else {
+            c->hs.reset();
+        }
+    }
+
     int post_write(const WriteOp& w, void* ctx) {
         Conn* c = conn_of(w.peer);
         if (!c) return -EINVAL;

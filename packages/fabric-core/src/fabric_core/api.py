@@ -116,12 +116,53 @@ class TransferEngine(ABC):
 
     @abstractmethod
     def deregister(self, region: MemoryRegion) -> None:
-        """Withdraw a registration; later remote writes into it fail at the writer."""
+        """Withdraw a registration. This is the fence against late writes: once it returns, no
+        remote write lands in that memory through this registration (later ones fail at the
+        writer with ``RemoteAccessError``), whatever the writers' state."""
+
+    def rekey(self, region: MemoryRegion) -> MemoryRegion:
+        """Revoke ``region``'s descriptor and register the same memory anew (new keys).
+
+        From the moment it returns, a write made with the old descriptor fails at the writer
+        and changes nothing; the returned region is what to hand to writers from now on. A
+        write a peer already had under way may still finish: ``fence`` waits for those.
+        """
+        fresh = self.register(RawMemory(region.ptr, region.length, region.device), writable=region.writable)
+        fresh._keepalive = region._keepalive
+        self.deregister(region)
+        return fresh
+
+    @abstractmethod
+    def fence(
+        self, peers: Sequence[DomainAddress | MemoryRegionDescriptor], *, timeout: float | None = None
+    ) -> None:
+        """Wait until every write each of ``peers`` posted to this engine before the call has
+        been processed here: landed, or refused by the keys.
+
+        After ``rekey`` (or ``deregister``) and ``fence``, nothing a peer wrote with the old
+        keys lands any more: the memory may be reused (the KV-cache decoder does this before
+        it hands out pages of an abandoned request again). A peer that does not confirm within
+        ``timeout`` (the engine default if None) raises ``PeerUnreachable`` naming it: do not
+        reuse the memory then (a stopped peer may still send the rest of a write it had under
+        way when it resumes).
+        """
+
+    @abstractmethod
+    def dump_state(self) -> dict[str, Any]:
+        """What is outstanding, for hang diagnostics (``fabric info --pending``): in-flight
+        transfers (id, age, peers, per-NIC work requests left), counter waiters (imm, counts
+        expected vs received, the peer named) and the peers the engine tracks (last heard,
+        probes, lost). Plain JSON-serialisable data; addresses are hex."""
 
     # --- one-sided ----------------------------------------------------------------
     @abstractmethod
-    def submit(self, request: Request) -> Transfer:
-        """Validate, then post ``request``. Bad input raises ``ConfigError`` and posts nothing."""
+    def submit(self, request: Request, *, timeout: float | None = None) -> Transfer:
+        """Validate, then post ``request``. Bad input raises ``ConfigError`` and posts nothing.
+
+        ``timeout`` is the transfer's deadline in seconds from now (``None``: the engine's
+        ``timeout_s``; ``math.inf``: none): past it the transfer fails with
+        ``TransferTimeout``, which names the peer, the NIC and what is still outstanding.
+        """
 
     def imms_at_target(self, request: Request) -> tuple[int, ...]:
         """What each target of ``request`` would count, without posting it."""
@@ -137,8 +178,11 @@ class TransferEngine(ABC):
         *,
         imm: int | None = None,
         routing: Routing = Sharded(),
+        timeout: float | None = None,
     ) -> Transfer:
-        return self.submit(WriteRequest(src, src_offset, length, dst, dst_offset, imm, routing))
+        return self.submit(
+            WriteRequest(src, src_offset, length, dst, dst_offset, imm, routing), timeout=timeout
+        )
 
     def submit_paged_write(
         self,
@@ -154,6 +198,7 @@ class TransferEngine(ABC):
         dst_offset: int = 0,
         imm: int | None = None,
         routing: Routing = Sharded(),
+        timeout: float | None = None,
     ) -> Transfer:
         return self.submit(
             PagedWriteRequest(
@@ -168,7 +213,8 @@ class TransferEngine(ABC):
                 dst_offset,
                 imm,
                 routing,
-            )
+            ),
+            timeout=timeout,
         )
 
     def submit_scatter(
@@ -179,16 +225,29 @@ class TransferEngine(ABC):
         imm: int | None = None,
         routing: Routing = ShardPeers(),
         group: PeerGroup | None = None,
+        timeout: float | None = None,
     ) -> Transfer:
-        return self.submit(ScatterRequest(src, tuple(targets), imm, routing, group))
+        return self.submit(ScatterRequest(src, tuple(targets), imm, routing, group), timeout=timeout)
 
-    def submit_imm(self, dst: MemoryRegionDescriptor, imm: int, *, routing: Routing = Sharded(1)) -> Transfer:
-        return self.submit(ImmRequest(dst, imm, routing))
+    def submit_imm(
+        self,
+        dst: MemoryRegionDescriptor,
+        imm: int,
+        *,
+        routing: Routing = Sharded(1),
+        timeout: float | None = None,
+    ) -> Transfer:
+        return self.submit(ImmRequest(dst, imm, routing), timeout=timeout)
 
     def submit_barrier(
-        self, dsts: Sequence[MemoryRegionDescriptor], imm: int, *, routing: Routing = ShardPeers()
+        self,
+        dsts: Sequence[MemoryRegionDescriptor],
+        imm: int,
+        *,
+        routing: Routing = ShardPeers(),
+        timeout: float | None = None,
     ) -> Transfer:
-        return self.submit(BarrierRequest(tuple(dsts), imm, routing))
+        return self.submit(BarrierRequest(tuple(dsts), imm, routing), timeout=timeout)
 
     @abstractmethod
     def peer_group(self, peers: Sequence[DomainAddress | MemoryRegionDescriptor]) -> PeerGroup:
@@ -201,8 +260,11 @@ class TransferEngine(ABC):
 
     # --- two-sided control messages -----------------------------------------------
     @abstractmethod
-    def submit_send(self, peer: DomainAddress, data: bytes | bytearray | memoryview) -> Transfer:
-        """Send a small message (at most ``capabilities.max_send_size`` bytes) to ``peer``."""
+    def submit_send(
+        self, peer: DomainAddress, data: bytes | bytearray | memoryview, *, timeout: float | None = None
+    ) -> Transfer:
+        """Send a small message (at most ``capabilities.max_send_size`` bytes) to ``peer``;
+        ``timeout`` as for ``submit``."""
 
     @abstractmethod
     def recv(self, timeout: float | None = None) -> Message:

@@ -14,7 +14,9 @@ from abc import abstractmethod
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from . import diagnostics
 from .api import EngineStats, TransferEngine
 from .counters import CounterTable, ImmCounter
 from .errors import CapabilityError, ConfigError, EngineClosed, PeerUnreachable, TransferTimeout
@@ -70,6 +72,7 @@ class EngineBase(TransferEngine):
         self._stat_wrs = self._stat_bytes = 0
         self._dispatch = CallbackDispatcher(thread_name)
         self._counters = self._new_counter_table()
+        diagnostics.track(self)
 
     # --- hooks ---------------------------------------------------------------------
     def _new_counter_table(self) -> CounterTable:
@@ -86,11 +89,25 @@ class EngineBase(TransferEngine):
     def _backend_deregister(self, token: object) -> None: ...
 
     @abstractmethod
-    def _backend_post(self, plan: Plan, transfer: Transfer, source: Registration | None) -> None:
-        """Post the plan's work requests; complete ``transfer`` (``_resolve``) when all are done."""
+    def _backend_post(
+        self, plan: Plan, transfer: Transfer, source: Registration | None, timeout: float
+    ) -> None:
+        """Post the plan's work requests; complete ``transfer`` (``_resolve``) when all are done,
+        or with ``TransferTimeout`` ``timeout`` seconds from now (``math.inf``: never)."""
 
     @abstractmethod
-    def _backend_send(self, peer: DomainAddress, payload: bytes, transfer: Transfer) -> None: ...
+    def _backend_send(self, peer: DomainAddress, payload: bytes, transfer: Transfer, timeout: float) -> None:
+        """Send ``payload``; ``timeout`` as for ``_backend_post``."""
+
+    def _backend_fence(self, peers: list[bytes], timeout: float) -> list[bytes]:
+        """Wait (``fence``) for every write of ``peers`` posted before the call to be processed;
+        return those that did not confirm. Nothing to wait for where every byte is checked
+        against the keys as it lands (the simulator)."""
+        return []
+
+    def _dump_core(self) -> dict[str, Any]:
+        """The backend's part of ``dump_state``: ``requests`` and ``peers`` (lists of dicts)."""
+        return {"requests": [], "peers": []}
 
     @abstractmethod
     def _backend_check_peer(self, peer: DomainAddress) -> None:
@@ -203,8 +220,17 @@ class EngineBase(TransferEngine):
         return reg
 
     # --- one-sided -----------------------------------------------------------------
-    def submit(self, request: Request) -> Transfer:
+    def _deadline(self, timeout: float | None) -> float:
+        """A per-call transfer deadline, checked (None: the engine default)."""
+        if timeout is None:
+            return self._timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ConfigError(f"timeout must be a positive number of seconds (or math.inf), got {timeout!r}")
+        return float(timeout)
+
+    def submit(self, request: Request, *, timeout: float | None = None) -> Transfer:
         self._check_open()
+        limit = self._deadline(timeout)
         src = getattr(request, "src", None)
         source = self._source(src) if src is not None else None
         group = getattr(request, "group", None)
@@ -215,7 +241,7 @@ class EngineBase(TransferEngine):
         with self._lock:
             self._rotation += 1
             self._stat_submitted += 1
-        self._backend_post(plan, transfer, source)
+        self._backend_post(plan, transfer, source, limit)
         return transfer
 
     def peer_group(self, peers: Sequence[DomainAddress | MemoryRegionDescriptor]) -> PeerGroup:
@@ -238,8 +264,11 @@ class EngineBase(TransferEngine):
         return self._counters.counter(imm, self._timeout)
 
     # --- two-sided -----------------------------------------------------------------
-    def submit_send(self, peer: DomainAddress, data: bytes | bytearray | memoryview) -> Transfer:
+    def submit_send(
+        self, peer: DomainAddress, data: bytes | bytearray | memoryview, *, timeout: float | None = None
+    ) -> Transfer:
         self._check_open()
+        limit = self._deadline(timeout)
         if not isinstance(peer, DomainAddress):
             raise ConfigError(f"peer must be a DomainAddress, got {type(peer).__name__}")
         payload = bytes(data)
@@ -251,7 +280,7 @@ class EngineBase(TransferEngine):
         transfer = Transfer((0,), dispatcher=self._dispatch, default_timeout=self._timeout)
         with self._lock:
             self._stat_submitted += 1
-        self._backend_send(peer, payload, transfer)
+        self._backend_send(peer, payload, transfer, limit)
         return transfer
 
     def _enqueue_message(self, message: Message) -> None:
@@ -276,7 +305,42 @@ class EngineBase(TransferEngine):
         return msg
 
     # --- failure & lifecycle -------------------------------------------------------
-    def _peer_lost(self, peer: bytes, exc: BaseException) -> None:
+    def fence(
+        self, peers: Sequence[DomainAddress | MemoryRegionDescriptor], *, timeout: float | None = None
+    ) -> None:
+        self._check_open()
+        limit = self._deadline(timeout)
+        addresses: list[bytes] = []
+        for p in peers:
+            if isinstance(p, MemoryRegionDescriptor):
+                p = p.peer
+            if not isinstance(p, DomainAddress):
+                raise ConfigError(f"fence takes DomainAddress or descriptors, got {type(p).__name__}")
+            addresses.append(p.raw)
+        left = self._backend_fence(addresses, limit)
+        if left:
+            names = ", ".join(a.hex() for a in left)
+            raise PeerUnreachable(
+                f"fence: {len(left)} peer(s) did not confirm within {limit:g} s: {names}; what they "
+                "had under way may still land: do not reuse the memory yet",
+                peer=left[0].hex(),
+            )
+
+    def dump_state(self) -> dict[str, Any]:
+        core = self._dump_core()
+        stats = self.stats()
+        return {
+            "backend": self._caps.backend,
+            "address": self.address.raw.hex(),
+            "closed": self._closed,
+            "requests": core.get("requests", []),
+            "waiters": self._counters.pending(),
+            "peers": core.get("peers", []),
+            "stats": {f: getattr(stats, f) for f in stats.__dataclass_fields__},
+            **{k: v for k, v in core.items() if k not in ("requests", "peers")},
+        }
+
+    def _peer_lost(self, peer: bytes, exc: BaseException | str) -> None:
         lost = PeerUnreachable(f"peer {peer.hex()} is gone ({exc})", peer=peer.hex())
         self._counters.fail_peer(peer, lost)
 

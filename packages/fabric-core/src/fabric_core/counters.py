@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -211,6 +211,21 @@ class CounterTable:
         for w in failed:
             w.fire(exc)
 
+    def names_peer(self, peer: bytes) -> bool:
+        """Whether a queued waiter names ``peer`` (it depends on that peer's liveness)."""
+        with self._lock:
+            return any(w.peer == peer for s in self._slots.values() for w in s.waiters)
+
+    def pending(self) -> list[dict[str, Any]]:
+        """Every queued waiter, FIFO per imm: imm, counts received (unconsumed), counts
+        expected, the peer it names (hex) — for hang diagnostics."""
+        with self._lock:
+            return [
+                {"imm": imm, "received": s.count, "expected": w.n, "peer": w.peer.hex() if w.peer else None}
+                for imm, s in sorted(self._slots.items())
+                for w in s.waiters
+            ]
+
     def counter(self, imm: int, default_timeout: float) -> ImmCounter:
         return TableCounter(self, check_imm(imm), default_timeout)
 
@@ -382,6 +397,8 @@ class NativeCounterTable(CounterTable):
         # queued token waiters and their imms (single dict operations are atomic)
         self._waiters: dict[int, tuple[_Waiter, int]] = {}
         self._failure: BaseException | None = None
+        # the engine's: a wait named a lost peer, so probe it (an answer revives it)
+        self.on_lost_wait: Callable[[bytes], None] | None = None
 
     @property
     def imms_received(self) -> int:
@@ -420,7 +437,7 @@ class NativeCounterTable(CounterTable):
             return False
         self._waiters.pop(token, None)
         if code == _PEER_LOST:
-            raise self.lost_error(waiter.peer or b"")
+            raise self.lost_wait(waiter.peer or b"")
         waiter.settled = True
         return True
 
@@ -447,6 +464,13 @@ class NativeCounterTable(CounterTable):
     def _refund(self, imm: int, n: int) -> None:
         self.fire_tokens(self._native.add(imm, n, False))
 
+    def lost_wait(self, peer: bytes) -> BaseException:
+        """The error of a wait that names ``peer``, a peer known lost; asks the engine to
+        probe it, so that a later wait goes through if it is back."""
+        if self.on_lost_wait is not None:
+            self.on_lost_wait(peer)
+        return self.lost_error(peer)
+
     def lost_error(self, peer: bytes) -> BaseException:
         exc = self._lost.get(peer)
         return exc if exc is not None else PeerUnreachable(f"peer {peer.hex()} is gone", peer=peer.hex())
@@ -462,6 +486,12 @@ class NativeCounterTable(CounterTable):
     def fail_all(self, exc: BaseException) -> None:
         self._failure = exc
         self.fire_tokens(self._native.fail_all(), exc)
+
+    def pending(self) -> list[dict[str, Any]]:
+        return [
+            {"imm": imm, "received": count, "expected": n, "peer": peer.hex() if peer else None}
+            for imm, count, n, peer in self._native.pending()
+        ]
 
     def counter(self, imm: int, default_timeout: float) -> ImmCounter:
         return NativeCounter(self, check_imm(imm), default_timeout)
@@ -487,5 +517,5 @@ class NativeCounter(TableCounter):
         if code == _TIMEOUT:
             raise self._timeout(n, limit, seen)
         if code == _PEER_LOST:
-            raise table.lost_error(raw)
+            raise table.lost_wait(raw)
         raise table._failure or EngineClosed("engine closed while waiting on a counter")

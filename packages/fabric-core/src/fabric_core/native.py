@@ -25,7 +25,14 @@ from typing import TYPE_CHECKING, Any
 from .api import EngineStats
 from .base import EngineBase, Registration
 from .counters import CounterTable, NativeCounterTable
-from .errors import EngineClosed, FabricError, PeerUnreachable, RemoteAccessError, TransportError
+from .errors import (
+    EngineClosed,
+    FabricError,
+    PeerUnreachable,
+    RemoteAccessError,
+    TransferTimeout,
+    TransportError,
+)
 from .memory import MemorySpan, index_array
 from .models import Capabilities, DomainAddress, DomainInfo, MemoryRegion, MemoryRegionDescriptor
 from .ops import (
@@ -57,7 +64,12 @@ _HEADER = struct.Struct("<B")  # length of the sender's address, then the addres
 HEADER_BYTES = 1 + 255
 """What a control message carries besides its payload (the sender's address)."""
 # Status codes of fabric/engine.hpp
-_STATUS: dict[int, type[TransportError]] = {1: PeerUnreachable, 2: RemoteAccessError, 3: TransportError}
+_STATUS: dict[int, type[TransportError]] = {
+    1: PeerUnreachable,
+    2: RemoteAccessError,
+    3: TransportError,
+    5: TransferTimeout,
+}
 _CLOSED = 4
 _DRAIN_S = 0.002  # how long a waiter drains completions itself before sleeping on its event
 _completers = itertools.count(1)
@@ -93,6 +105,7 @@ class NativeEngine(EngineBase):
             capabilities.max_msg_size, Sharded, Pinned, ShardPeers, MemoryRegionDescriptor, guarded
         )
         self._header = _HEADER.pack(len(self.address.raw)) + self.address.raw
+        core.configure_liveness(settings.liveness_interval_s, settings.liveness_timeout_s, settings.timeout_s)
         self._stop = False
         self._completer = threading.Thread(
             target=self._complete, name=f"fabric-{capabilities.backend}-completion-{n}", daemon=True
@@ -131,21 +144,34 @@ class NativeEngine(EngineBase):
         *,
         imm: int | None = None,
         routing: Routing = _SHARDED,
+        timeout: float | None = None,
     ) -> Transfer:
+        limit = -1.0 if timeout is None else self._deadline(timeout)
         t = self._new()
         done = self._fast(
-            t, self._core.fast_write(t.id, src, src_offset, length, dst, dst_offset, imm, routing)
+            t, self._core.fast_write(t.id, src, src_offset, length, dst, dst_offset, imm, routing, limit)
         )
         if done is not None:
             return done
-        return super().submit(WriteRequest(src, src_offset, length, dst, dst_offset, imm, routing))
+        return super().submit(
+            WriteRequest(src, src_offset, length, dst, dst_offset, imm, routing), timeout=timeout
+        )
 
-    def submit_imm(self, dst: MemoryRegionDescriptor, imm: int, *, routing: Routing = _ONE_NIC) -> Transfer:
+    def submit_imm(
+        self,
+        dst: MemoryRegionDescriptor,
+        imm: int,
+        *,
+        routing: Routing = _ONE_NIC,
+        timeout: float | None = None,
+    ) -> Transfer:
+        limit = -1.0 if timeout is None else self._deadline(timeout)
         t = self._new()
-        done = self._fast(t, self._core.fast_imm(t.id, dst, imm, routing))
-        return done if done is not None else super().submit(ImmRequest(dst, imm, routing))
+        done = self._fast(t, self._core.fast_imm(t.id, dst, imm, routing, limit))
+        return done if done is not None else super().submit(ImmRequest(dst, imm, routing), timeout=timeout)
 
-    def submit(self, request: Request) -> Transfer:
+    def submit(self, request: Request, *, timeout: float | None = None) -> Transfer:
+        limit = -1.0 if timeout is None else self._deadline(timeout)
         kind = type(request)
         done: Transfer | None = None
         if kind is WriteRequest:
@@ -154,18 +180,18 @@ class NativeEngine(EngineBase):
             done = self._fast(
                 t,
                 self._core.fast_write(
-                    t.id, r.src, r.src_offset, r.length, r.dst, r.dst_offset, r.imm, r.routing
+                    t.id, r.src, r.src_offset, r.length, r.dst, r.dst_offset, r.imm, r.routing, limit
                 ),
             )
         elif kind is PagedWriteRequest:
-            done = self._fast_paged(request)  # type: ignore[arg-type]
+            done = self._fast_paged(request, limit)  # type: ignore[arg-type]
         elif kind is ImmRequest:
             r = request
             t = self._new()
-            done = self._fast(t, self._core.fast_imm(t.id, r.dst, r.imm, r.routing))
-        return done if done is not None else super().submit(request)
+            done = self._fast(t, self._core.fast_imm(t.id, r.dst, r.imm, r.routing, limit))
+        return done if done is not None else super().submit(request, timeout=timeout)
 
-    def _fast_paged(self, r: PagedWriteRequest) -> Transfer | None:
+    def _fast_paged(self, r: PagedWriteRequest, limit: float) -> Transfer | None:
         try:
             src_pages, dst_pages = (
                 index_array(r.src_pages, "src_pages"),
@@ -187,6 +213,7 @@ class NativeEngine(EngineBase):
             r.dst_offset,
             r.imm,
             r.routing,
+            limit,
         )
         return self._fast(t, imms)
 
@@ -202,15 +229,26 @@ class NativeEngine(EngineBase):
     # --- completion path: one GIL acquisition per batch ------------------------------
     def _complete(self) -> None:
         while True:
-            ok, failed, fired, messages = self._core.wait_batch(0.05)
-            self._process(ok, failed, fired, messages)
-            if self._stop and not ok and not failed and not fired and not messages:
+            batch = self._core.wait_batch(0.05)
+            self._process(*batch)
+            if self._stop and not any(batch):
                 return
 
     def _process(
-        self, ok: list[int], failed: list[tuple[int, int, str]], fired: list[int], messages: list[bytes]
+        self,
+        ok: list[int],
+        failed: list[tuple[int, int, str, bytes, int]],
+        fired: list[int],
+        messages: list[bytes],
+        lost: list[tuple[bytes, str]],
+        revived: list[bytes],
     ) -> None:
         """Hand one batch of completions to Python (the completion thread, or a drainer)."""
+        for peer in revived:  # heard from again: waits may name it
+            self._counters.revive_peer(peer)
+        for peer, why in lost:  # waits naming it fail now (its transfers fail below)
+            logger.warning("fabric: peer %s lost on %s: %s", peer.hex(), self._where, why)
+            self._peer_lost(peer, why)
         if fired:  # asyncio waits and expect callbacks the imms satisfied
             self._native_counters.fire_tokens(fired)
         pop = self._inflight.pop
@@ -219,21 +257,26 @@ class NativeEngine(EngineBase):
             if transfer is not None:
                 self._stat_completed += 1
                 transfer._resolve(None)
-        for xfer_id, status, message in failed:
+        for xfer_id, status, message, peer, nic in failed:
             transfer = pop(xfer_id, None)
             if transfer is None:
                 continue
             self._stat_failed += 1
-            exc: FabricError = (
-                EngineClosed(message)
-                if status == _CLOSED
-                else _STATUS.get(status, TransportError)(message, transfer_id=xfer_id)
-            )
+            exc: FabricError
+            if status == _CLOSED:
+                exc = EngineClosed(message)
+            else:
+                where = f" (peer {peer.hex()}{f', NIC {nic}' if nic >= 0 else ''})" if peer else ""
+                exc = _STATUS.get(status, TransportError)(
+                    f"transfer {xfer_id}: {message}{where}",
+                    transfer_id=xfer_id,
+                    peer=peer.hex() if peer else None,
+                    nic=nic if nic >= 0 else None,
+                )
             transfer._resolve(exc)
         for raw in messages:
             (alen,) = _HEADER.unpack_from(raw)
-            peer = DomainAddress(raw=raw[1 : 1 + alen])
-            self._enqueue_message(Message(peer, raw[1 + alen :]))
+            self._enqueue_message(Message(DomainAddress(raw=raw[1 : 1 + alen]), raw[1 + alen :]))
 
     def _drain_wait(self, transfer: Transfer, deadline: float) -> None:
         """A thread waits on ``transfer``: for up to _DRAIN_S it runs the engine's progress and
@@ -250,6 +293,7 @@ class NativeEngine(EngineBase):
     def _new_counter_table(self) -> CounterTable:
         # the worker counts imms into the C++ table; blocking waits wake from there
         self._native_counters = NativeCounterTable(self._core.counters(), self._dispatch)
+        self._native_counters.on_lost_wait = self._core.probe_peer
         return self._native_counters
 
     def _backend_register(
@@ -276,7 +320,9 @@ class NativeEngine(EngineBase):
         )
         return True
 
-    def _backend_post(self, plan: Plan, transfer: Transfer, source: Registration | None) -> None:
+    def _backend_post(
+        self, plan: Plan, transfer: Transfer, source: Registration | None, timeout: float
+    ) -> None:
         if self._guarded and any(self._gone(desc.peer.raw, transfer) for desc in plan.targets):
             return
         targets = [self._target_spec(desc) for desc in plan.targets]
@@ -293,6 +339,7 @@ class NativeEngine(EngineBase):
             plan.length,
             -1 if plan.imm is None else plan.imm,
             targets,
+            timeout,
         )
 
     def _target_spec(self, desc: MemoryRegionDescriptor) -> tuple[list[bytes], list[int], int]:
@@ -307,12 +354,23 @@ class NativeEngine(EngineBase):
         self._specs[id(desc)] = (desc, spec)
         return spec
 
-    def _backend_send(self, peer: DomainAddress, payload: bytes, transfer: Transfer) -> None:
+    def _backend_send(self, peer: DomainAddress, payload: bytes, transfer: Transfer, timeout: float) -> None:
         if self._guarded and self._gone(peer.raw, transfer):
             return
         transfer._drain = self._drain_wait
         self._inflight[transfer.id] = transfer
-        self._core.submit_send(transfer.id, peer.raw, self._header + payload)
+        self._core.submit_send(transfer.id, peer.raw, self._header + payload, timeout)
+
+    def _backend_fence(self, peers: list[bytes], timeout: float) -> list[bytes]:
+        return self._core.fence(peers, timeout) if peers else []
+
+    def _dump_core(self) -> dict[str, Any]:
+        state = self._core.dump_state()
+        for r in state.get("requests", []):
+            r["peers"] = [p.hex() for p in r["peers"]]
+        for p in state.get("peers", []):
+            p["address"] = p["address"].hex()
+        return state
 
     def _backend_check_peer(self, peer: DomainAddress) -> None:
         if self._guarded and self._is_closed(peer.raw):

@@ -33,8 +33,21 @@ class FabricSettings(BaseSettings):
     )
     timeout_s: Annotated[float, Field(gt=0)] = Field(
         60.0,
-        description="Default deadline in seconds for Transfer.wait, counter waits, recv "
-        "and close() draining, when a call gives none.",
+        description="Default deadline in seconds of every transfer (past it the transfer "
+        "fails with TransferTimeout), and of Transfer.wait, counter waits, recv and close() "
+        "draining, when a call gives none.",
+    )
+    liveness_interval_s: Annotated[float, Field(ge=0)] = Field(
+        1.0,
+        description="Probe a peer that in-flight work or a counter wait depends on after this "
+        "many seconds without a sign of life from it (0: never probe; transport errors still "
+        "count). Compiled backends.",
+    )
+    liveness_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        10.0,
+        description="A peer that leaves a liveness probe unanswered this long is lost: its "
+        "transfers fail with PeerUnreachable, waits naming it fail, its connection state is "
+        "dropped.",
     )
     recv_depth: Annotated[int, Field(ge=1, le=1 << 16)] = Field(
         64, description="Receive buffers kept posted for two-sided control messages."

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fabric_core.base import EngineBase, Registration
 from fabric_core.errors import ConfigError, EngineClosed, PeerUnreachable
@@ -91,11 +92,42 @@ class SimEngine(EngineBase):
             for nic, key in enumerate(token.rkeys):
                 self._rkeys.pop((nic, key), None)
 
-    def _backend_post(self, plan: Plan, transfer: Transfer, source: Registration | None) -> None:
-        self._fabric.post(self, plan, transfer, source.ptr if source is not None else 0)
+    def _backend_post(
+        self, plan: Plan, transfer: Transfer, source: Registration | None, timeout: float
+    ) -> None:
+        self._fabric.post(self, plan, transfer, source.ptr if source is not None else 0, timeout)
 
-    def _backend_send(self, peer: DomainAddress, payload: bytes, transfer: Transfer) -> None:
-        self._fabric.post_message(self, peer, payload, transfer)
+    def _backend_send(self, peer: DomainAddress, payload: bytes, transfer: Transfer, timeout: float) -> None:
+        self._fabric.post_message(self, peer, payload, transfer, timeout)
+
+    def _dump_core(self) -> dict[str, Any]:
+        now = time.monotonic()
+        with self._fabric._cv:
+            xfers = sorted(self._inflight, key=lambda x: x.started)
+            requests = [
+                {
+                    "id": x.transfer.id,
+                    "age_s": now - x.started,
+                    "deadline_in_s": None if math.isinf(x.deadline) else x.deadline - now,
+                    "work_requests": x.total,
+                    "outstanding": x.left,
+                    "peers": [self._fabric.address(p, 0).raw.hex() for p in sorted(x.peers)],
+                    "imm": x.imm,
+                    "failed_early": x.early,
+                }
+                for x in xfers
+            ]
+            stalled = dict(self._fabric._stalled)
+            peers = [
+                {
+                    "address": self._fabric.address(p, 0).raw.hex(),
+                    "silent_s": now - since,
+                    "lost": (self.engine_id, p) in self._fabric._lost,
+                }
+                for p, since in stalled.items()
+                if p != self.engine_id
+            ]
+        return {"requests": requests, "peers": peers}
 
     def _backend_check_peer(self, peer: DomainAddress) -> None:
         with self._fabric._cv:

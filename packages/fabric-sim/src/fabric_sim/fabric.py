@@ -11,17 +11,27 @@ two ends see completions in independent orders.
 from __future__ import annotations
 
 import ctypes
+import functools
 import heapq
 import itertools
 import logging
+import math
 import random
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from fabric_core.errors import ConfigError, EngineClosed, PeerUnreachable, RemoteAccessError, TransportError
+from fabric_core.errors import (
+    ConfigError,
+    EngineClosed,
+    PeerUnreachable,
+    RemoteAccessError,
+    TransferTimeout,
+    TransportError,
+)
 from fabric_core.models import DomainAddress
 from fabric_core.ops import Plan
 from fabric_core.transfer import Transfer
@@ -42,16 +52,41 @@ _fabric_ids = itertools.count(1)
 # event kinds
 _CHUNK, _WR_DONE, _IMM, _LOCAL, _MSG = range(5)
 _SPREAD = 3.0
+_TICK = 0.01  # how often (wall clock) deadlines and liveness are checked
 
 
 class _Xfer:
     """Sender-side state of one transfer."""
 
-    __slots__ = ("engine", "error", "left", "transfer")
+    __slots__ = (
+        "deadline",
+        "early",
+        "engine",
+        "error",
+        "imm",
+        "left",
+        "peers",
+        "started",
+        "total",
+        "transfer",
+    )
 
-    def __init__(self, engine: SimEngine, transfer: Transfer, left: int) -> None:
-        self.engine, self.transfer, self.left = engine, transfer, left
+    def __init__(
+        self,
+        engine: SimEngine,
+        transfer: Transfer,
+        left: int,
+        timeout: float,
+        peers: frozenset[int],
+        imm: int | None = None,
+    ) -> None:
+        self.engine, self.transfer, self.left, self.total = engine, transfer, left, left
         self.error: BaseException | None = None
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout if math.isfinite(timeout) else math.inf
+        self.peers = peers  # engine ids it depends on
+        self.imm = imm
+        self.early = False  # failed before its WRs were done (deadline, lost peer): they still run
 
 
 class _WR:
@@ -121,6 +156,12 @@ class SimFabric:
         self._thread: threading.Thread | None = None
         self._stop = False
         self._triggers: list[tuple[int, int, Callable[[], None]]] = []
+        # silent peers (alive, no progress: a stopped process): engine id -> since when
+        self._stalled: dict[int, float] = {}
+        self._held: list[tuple[int, object]] = []  # events that touch a stalled engine
+        self._lost: set[tuple[int, int]] = set()  # (engine, peer) pairs declared lost
+        self._last_watch = 0.0
+        self._calls: list[Callable[[], None]] = []  # to run without the lock (progress thread)
         self.now = 0.0
         self.trace: list[tuple[int, tuple[int, ...]]] | None = [] if trace else None
         self.events = 0
@@ -197,6 +238,32 @@ class SimFabric:
         with self._cv:
             self._dead_nics.add((engine.engine_id, nic))
 
+    def stall_peer(self, engine: SimEngine) -> None:
+        """``engine`` stops making progress as a stopped process would (SIGSTOP): nothing moves
+        to or from it and it answers no probe, but it is not gone. Others find out through
+        their liveness settings (``liveness_interval_s`` + ``liveness_timeout_s``), or their
+        deadlines, as on a real transport; ``resume_peer`` lets everything held move on, late
+        writes included."""
+        with self._cv:
+            self._stalled.setdefault(engine.engine_id, time.monotonic())
+            self._cv.notify_all()
+
+    def resume_peer(self, engine: SimEngine) -> None:
+        with self._cv:
+            if self._stalled.pop(engine.engine_id, None) is None:
+                return
+            held, self._held = self._held, []
+            for kind, payload in held:
+                self._push(self.now, kind, payload)
+            revived = [(e, p) for e, p in self._lost if p == engine.engine_id]
+            for key in revived:
+                self._lost.discard(key)
+            self._cv.notify_all()
+        for e, _p in revived:
+            other = self._engines.get(e)
+            if other is not None:
+                other._counters.revive_peer(engine.address.raw)
+
     def restore_nic(self, engine: SimEngine, nic: int) -> None:
         with self._cv:
             self._dead_nics.discard((engine.engine_id, nic))
@@ -241,9 +308,8 @@ class SimFabric:
     def _jitter(self) -> float:
         return self._rng.random() if self.link is None else self._rng.random() * max(self.link.per_op_s, 1e-9)
 
-    def post(self, engine: SimEngine, plan: Plan, transfer: Transfer, src_ptr: int) -> None:
+    def post(self, engine: SimEngine, plan: Plan, transfer: Transfer, src_ptr: int, timeout: float) -> None:
         """Queue every WR of ``plan`` (caller holds no fabric lock)."""
-        xfer = _Xfer(engine, transfer, plan.num_wrs)
         with self._cv:
             targets: list[int | BaseException] = []
             for desc in plan.targets:
@@ -251,6 +317,8 @@ class SimFabric:
                     targets.append(self.resolve(desc.peer))
                 except PeerUnreachable as exc:
                     targets.append(exc)
+            peers = frozenset(t for t in targets if isinstance(t, int))
+            xfer = _Xfer(engine, transfer, plan.num_wrs, timeout, peers, plan.imm)
             engine._inflight.add(xfer)
             nics, tgts = plan.nic.tolist(), plan.target.tolist()
             src_offs, dst_offs, lengths = plan.src_off.tolist(), plan.dst_off.tolist(), plan.length.tolist()
@@ -306,9 +374,15 @@ class SimFabric:
             t = rx_start + dur * self._rng.random() if parts > 1 else rx_start + dur
             self._push(t + self._jitter(), _CHUNK, (wr, off, max(0, min(size, length - off))))
 
-    def post_message(self, engine: SimEngine, peer: DomainAddress, data: bytes, transfer: Transfer) -> None:
-        xfer = _Xfer(engine, transfer, 1)
+    def post_message(
+        self, engine: SimEngine, peer: DomainAddress, data: bytes, transfer: Transfer, timeout: float
+    ) -> None:
         with self._cv:
+            try:
+                peers = frozenset((self.resolve(peer),))
+            except PeerUnreachable:
+                peers = frozenset()
+            xfer = _Xfer(engine, transfer, 1, timeout, peers)
             engine._inflight.add(xfer)
             delay = self._jitter() if self.link is None else self.link.latency_s + self._jitter()
             self._push(self.now + delay, _MSG, (xfer, peer, data))
@@ -325,10 +399,11 @@ class SimFabric:
         cv = self._cv
         while True:
             with cv:
-                while not self._stop and (not self._heap or self._paused):
+                while not self._stop and (not self._heap or self._paused) and not self._calls:
                     self._busy = False
                     cv.notify_all()
-                    cv.wait()
+                    cv.wait(_TICK if self._watching() else None)
+                    self._watch()
                 if self._stop:
                     self._heap.clear()
                     self._busy = False
@@ -340,11 +415,36 @@ class SimFabric:
                 for _ in range(256):
                     if not self._heap or self._paused or self._process_one():
                         break
+                if time.monotonic() - self._last_watch >= _TICK:
+                    self._watch()
             self._run_due()
+
+    def _touches_stalled(self, kind: int, payload: Any) -> bool:
+        stalled = self._stalled
+        if kind == _CHUNK:
+            return payload[0].dst in stalled or payload[0].src in stalled
+        if kind == _WR_DONE:
+            return bool(payload.src in stalled or payload.dst in stalled)
+        if kind == _IMM:
+            return bool(payload[0] in stalled)
+        if kind == _LOCAL:
+            return payload[0].engine.engine_id in stalled
+        if kind == _MSG:
+            xfer, peer, _data = payload
+            if xfer.engine.engine_id in stalled:
+                return True
+            try:
+                return self.resolve(peer) in stalled
+            except PeerUnreachable:
+                return False
+        return False
 
     def _process_one(self) -> bool:
         """Deliver the earliest event (lock held); True if a scheduled action is now due."""
         t, _, kind, payload = heapq.heappop(self._heap)
+        if self._stalled and self._touches_stalled(kind, payload):
+            self._held.append((kind, payload))
+            return False
         if t > self.now:
             self.now = t
         self.events += 1
@@ -358,6 +458,13 @@ class SimFabric:
 
     def _run_due(self) -> None:
         """Run due actions without the fabric lock (they may close engines, submit, ...)."""
+        with self._cv:
+            calls, self._calls = self._calls, []
+        for call in calls:
+            try:
+                call()
+            except Exception:
+                logger.exception("fabric-sim: a failure notification failed")
         while True:
             with self._cv:
                 if not self._triggers or self._triggers[0][0] > self.events:
@@ -367,6 +474,77 @@ class SimFabric:
                 action()
             except Exception:
                 logger.exception("fabric-sim: scheduled action failed")
+
+    # --- deadlines and liveness (wall clock, as a real engine's) --------------------------
+    def _watching(self) -> bool:
+        return any(e._inflight for e in self._engines.values()) or bool(self._stalled)
+
+    def _watch(self) -> None:
+        """Fail transfers past their deadline; declare stalled peers lost to the engines that
+        depend on them once their liveness settings say a probe would have gone unanswered
+        (lock held)."""
+        now = time.monotonic()
+        self._last_watch = now
+        early: list[tuple[_Xfer, BaseException]] = []
+        lost: dict[tuple[int, int], float] = {}  # (engine, peer) -> how long it was silent
+        for engine in self._engines.values():
+            settings = engine._settings
+            probing = settings.liveness_interval_s > 0
+            detect = settings.liveness_interval_s + settings.liveness_timeout_s
+            for x in engine._inflight:
+                if x.early or x.left < 0:
+                    continue
+                if now >= x.deadline:
+                    early.append((x, self._deadline_error(x, now)))
+                    continue
+                if not probing:
+                    continue
+                for p in x.peers:
+                    since = self._stalled.get(p)
+                    if since is not None and now - max(since, x.started) >= detect:
+                        lost[(engine.engine_id, p)] = now - max(since, x.started)
+            if probing and self._stalled:  # waits that name a silent peer probe it too
+                for p, since in self._stalled.items():
+                    peer = self._engines.get(p)
+                    if peer is None or p == engine.engine_id or (engine.engine_id, p) in self._lost:
+                        continue
+                    if now - since >= detect and engine._counters.names_peer(peer.address.raw):
+                        lost[(engine.engine_id, p)] = now - since
+        for x, exc in early:
+            self._fail_early(x, exc)
+        for (eid, p), silent in lost.items():
+            engine, peer = self._engines[eid], self._engines[p]
+            why = f"no answer to a liveness probe in {silent:.3f} s"
+            for x in list(engine._inflight):
+                if not x.early and x.left >= 0 and p in x.peers:
+                    self._fail_early(
+                        x,
+                        PeerUnreachable(
+                            f"transfer {x.transfer.id}: peer lost: {why}",
+                            peer=peer.address.raw.hex(),
+                            transfer_id=x.transfer.id,
+                        ),
+                    )
+            if (eid, p) not in self._lost:  # its waits fail once, until it is heard from again
+                self._lost.add((eid, p))
+                self._calls.append(functools.partial(engine._peer_lost, peer.address.raw, why))
+
+    def _deadline_error(self, x: _Xfer, now: float) -> TransferTimeout:
+        peer = next(iter(x.peers), None)
+        addr = self.address(peer, 0).raw.hex() if peer is not None else None
+        return TransferTimeout(
+            f"transfer {x.transfer.id}: deadline of {x.deadline - x.started:.3f} s passed with {x.left} of "
+            f"{x.total} work requests outstanding" + (f" (peer {addr})" if addr else ""),
+            peer=addr,
+            transfer_id=x.transfer.id,
+        )
+
+    def _fail_early(self, x: _Xfer, exc: BaseException) -> None:
+        """Complete ``x`` now with ``exc``; its WRs still run (their bytes may land late,
+        as on a real NIC: only the target revoking its keys stops them)."""
+        x.early = True
+        x.engine._stat_failed += 1
+        x.transfer._resolve(exc)  # callbacks run on the engine's dispatcher, not here
 
     def step(self, events: int = 1) -> int:
         """Deliver up to ``events`` pending events in the calling thread; returns how many.
@@ -458,6 +636,11 @@ class SimFabric:
         if xfer.left < 0:
             return
         engine = xfer.engine
+        if xfer.early:  # already completed (deadline, lost peer): reap it
+            xfer.left -= 1
+            if xfer.left == 0:
+                engine._inflight.discard(xfer)
+            return
         if err is not None:
             if xfer.error is None:
                 xfer.error = err

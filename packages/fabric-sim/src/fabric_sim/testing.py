@@ -20,6 +20,7 @@ class SimHarness(Harness):
     """Engines on one private ``SimFabric`` seeded with ``seed``."""
 
     supports_faults = True
+    supports_stall = True
     max_nics = 8
 
     def __init__(self, seed: int = 0, **fabric_args: Any) -> None:
@@ -47,3 +48,9 @@ class SimHarness(Harness):
 
     def kill_nic(self, engine: TransferEngine, nic: int) -> None:
         self.fabric.fail_nic(self._sim(engine), nic)
+
+    def stall_peer(self, engine: TransferEngine) -> None:
+        self.fabric.stall_peer(self._sim(engine))
+
+    def resume_peer(self, engine: TransferEngine) -> None:
+        self.fabric.resume_peer(self._sim(engine))

@@ -12,7 +12,7 @@ from typing import Any
 import click
 from pydantic_core import PydanticUndefined
 
-from .. import registry
+from .. import diagnostics, registry
 from ..api import API_VERSION
 from ..errors import BackendNotInstalled, ConfigError, FabricError
 from ..settings import FabricSettings, load_settings
@@ -198,17 +198,66 @@ def _echo_settings(rows: list[dict[str, Any]], error: str | None) -> None:
         click.echo(f"  error: {error}")
 
 
+def _pending(pid: int, as_json: bool) -> None:
+    try:
+        doc = diagnostics.request_state(pid)
+    except FabricError as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(doc, indent=2))
+        return
+    click.echo(f"process {doc['pid']}: {len(doc['engines'])} open engine(s)")
+    for e in doc["engines"]:
+        if "error" in e:
+            click.echo(f"  (engine: {e['error']})")
+            continue
+        click.echo(f"\n  engine {e['backend']} {e['address']}")
+        click.echo(f"    in-flight transfers: {len(e['requests'])}")
+        for r in e["requests"]:
+            left = r.get("outstanding_per_nic", r.get("outstanding"))
+            deadline = r.get("deadline_in_s")
+            due = "no deadline" if deadline is None else f"deadline in {deadline:.1f} s"
+            early = ", failed early" if r.get("failed_early") else ""
+            click.echo(
+                f"      #{r['id']} age {r['age_s']:.2f} s, {due}, imm {r.get('imm')}, "
+                f"work requests left {left}, peers {', '.join(r['peers'])}{early}"
+            )
+        click.echo(f"    counter waiters: {len(e['waiters'])}")
+        for w in e["waiters"]:
+            click.echo(
+                f"      imm {w['imm']:#x}: expected {w['expected']}, received {w['received']}"
+                + (f", peer {w['peer']}" if w.get("peer") else "")
+            )
+        click.echo(f"    peers: {len(e['peers'])}")
+        for p in e["peers"]:
+            facts = ", ".join(f"{k} {v}" for k, v in p.items() if k != "address")
+            click.echo(f"      {p['address']}: {facts}")
+
+
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of text.")
 @click.option("--backend", "only", metavar="NAME", default=None, help="Report on this backend only.")
 @click.option("--env", "env_only", is_flag=True, help="Only the FABRIC_* settings section.")
-def info(as_json: bool, only: str | None, env_only: bool) -> None:
+@click.option(
+    "--pending",
+    "pending_pid",
+    metavar="PID",
+    type=int,
+    default=None,
+    help="Instead: what is outstanding in the running process PID (its in-flight transfers, "
+    "counter waiters and peers), which must have called "
+    "fabric_core.diagnostics.install_state_dump(); it is sent SIGUSR1.",
+)
+def info(as_json: bool, only: str | None, env_only: bool, pending_pid: int | None) -> None:
     """Show installed backends, whether they can run here, their capabilities and topology,
     and every FABRIC_* setting with its description, current value and default.
 
     Exits with status 1 when the FABRIC_* environment holds an invalid value (the report is
     still printed, with the error).
     """
+    if pending_pid is not None:
+        _pending(pending_pid, as_json)
+        return
     rows, error = settings_report()
     backends: list[dict[str, Any]] = []
     if not env_only:

@@ -30,7 +30,7 @@ from ..registry import open_engine
 from ..transfer import Transfer
 from .remote import dump_error
 
-_BLOCKING = frozenset({"counter_wait", "recv", "close"})
+_BLOCKING = frozenset({"counter_wait", "recv", "close", "fence"})
 
 
 class _Unpickler(pickle.Unpickler):
@@ -153,17 +153,30 @@ class _Worker:
     def m_deregister(self, eid: int, region: MemoryRegion) -> None:
         self.engines[eid].deregister(region)
 
+    def m_rekey(self, eid: int, region: MemoryRegion, handle: int) -> dict[str, Any]:
+        fresh = self.engines[eid].rekey(region)
+        self.regions = {h: v for h, v in self.regions.items() if v[1] is not region}
+        return self._fields(eid, handle, fresh)
+
+    def m_fence(self, eid: int, peers: list[Any], timeout: float | None) -> None:
+        self.engines[eid].fence(peers, timeout=timeout)
+
+    def m_dump_state(self, eid: int) -> dict[str, Any]:
+        return self.engines[eid].dump_state()
+
     def _track(self, eid: int, transfer: Transfer) -> tuple[int, tuple[int, ...]]:
         tid = transfer.id
         transfer.on_done(lambda _t: self.send(("xfer", eid, tid, None)))
         transfer.on_error(lambda _t, exc: self.send(("xfer", eid, tid, dump_error(exc))))
         return tid, transfer.imms_per_target
 
-    def m_submit(self, eid: int, request: Any) -> tuple[int, tuple[int, ...]]:
-        return self._track(eid, self.engines[eid].submit(request))
+    def m_submit(self, eid: int, request: Any, timeout: float | None = None) -> tuple[int, tuple[int, ...]]:
+        return self._track(eid, self.engines[eid].submit(request, timeout=timeout))
 
-    def m_submit_send(self, eid: int, peer: Any, data: bytes) -> tuple[int, tuple[int, ...]]:
-        return self._track(eid, self.engines[eid].submit_send(peer, data))
+    def m_submit_send(
+        self, eid: int, peer: Any, data: bytes, timeout: float | None = None
+    ) -> tuple[int, tuple[int, ...]]:
+        return self._track(eid, self.engines[eid].submit_send(peer, data, timeout=timeout))
 
     def m_peer_group(self, eid: int, handle: int, peers: list[Any]) -> tuple[Any, ...]:
         group = self.engines[eid].peer_group(peers)

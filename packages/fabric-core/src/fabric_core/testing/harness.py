@@ -26,6 +26,8 @@ class Harness(ABC):
 
     supports_faults: bool = False
     """``kill_peer`` and ``kill_nic`` work."""
+    supports_stall: bool = False
+    """``stall_peer`` and ``resume_peer`` work (a peer alive but silent, as under SIGSTOP)."""
     max_nics: int = 1
     """Largest NIC count ``open_engine`` can give."""
     reports_remote_access_errors: bool = True
@@ -69,6 +71,15 @@ class Harness(ABC):
     def kill_nic(self, engine: TransferEngine, nic: int) -> None:
         """Take NIC ``nic`` of ``engine`` down."""
         raise CapabilityError("this harness cannot kill a NIC")
+
+    def stall_peer(self, engine: TransferEngine) -> None:
+        """Make ``engine`` alive but silent, as a stopped process (SIGSTOP): nothing moves to
+        or from it until ``resume_peer``."""
+        raise CapabilityError("this harness cannot stall a peer")
+
+    def resume_peer(self, engine: TransferEngine) -> None:
+        """Let a stalled ``engine`` go on (what was held moves, late writes included)."""
+        raise CapabilityError("this harness cannot stall a peer")
 
     def close(self) -> None:
         for engine in reversed(self._engines):

@@ -28,6 +28,7 @@ import math
 import mmap
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -98,11 +99,14 @@ class _Call:
 class _Worker:
     """This side of one worker process: a socket, a reader thread, calls awaiting replies."""
 
-    def __init__(self, pool: WorkerPool, index: int, env: dict[str, str] | None) -> None:
+    def __init__(
+        self, pool: WorkerPool, index: int, env: dict[str, str] | None, prefix: Sequence[str] = ()
+    ) -> None:
         self.pool, self.index = pool, index
         ours, theirs = socket.socketpair()
         self.proc = subprocess.Popen(
             [
+                *prefix,  # a launcher that execs the rest, e.g. ip netns exec NS (fds pass through)
                 sys.executable,
                 "-m",
                 "fabric_core.testing._worker",
@@ -181,6 +185,9 @@ class _Worker:
         self.pool._worker_lost(self)
 
     def stop(self, timeout: float = 10.0) -> None:
+        if self.proc.poll() is None:  # a stopped (SIGSTOP) worker would never read the EOF
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGCONT)
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)  # the worker reads EOF: it closes its engines and exits
         with contextlib.suppress(OSError):
@@ -198,14 +205,16 @@ class WorkerPool:
     """``workers`` processes sharing an arena of ``arena_bytes`` (sparse until touched).
 
     Start it once per test session; ``RemoteHarness`` objects borrow it per test. Worker
-    processes inherit ``env`` (default: this process's environment).
+    processes inherit ``env`` (default: this process's environment). ``workers=0`` starts none:
+    add each with ``add_worker()`` (with its own launcher and environment, e.g. in a network
+    namespace of ``fabric_core.testing.netns``).
     """
 
     def __init__(
         self, workers: int = 2, arena_bytes: int = 1 << 30, env: dict[str, str] | None = None
     ) -> None:
-        if workers < 2:
-            raise ConfigError("a worker pool needs at least two processes")
+        if workers < 2 and workers != 0:
+            raise ConfigError("a worker pool needs at least two processes (or none, see add_worker)")
         self.size = arena_bytes
         self.fd = os.memfd_create("fabric-test-arena")
         os.ftruncate(self.fd, arena_bytes)
@@ -220,6 +229,15 @@ class WorkerPool:
         self.workers = [_Worker(self, i, env) for i in range(workers)]
         for w in self.workers:
             w.call(0, "ping", limit=60.0)
+
+    def add_worker(self, prefix: Sequence[str] = (), env: dict[str, str] | None = None) -> _Worker:
+        """Start one more worker, as ``[*prefix, python, -m, ...]`` with ``env`` (default: this
+        process's environment), and wait until it answers. ``prefix`` must exec the rest of the
+        command line (keeping the pid and the inherited descriptors), as ``ip netns exec`` does."""
+        worker = _Worker(self, len(self.workers), env, prefix)
+        self.workers.append(worker)
+        worker.call(0, "ping", limit=60.0)
+        return worker
 
     # arena ---------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> U8Array:
@@ -430,6 +448,9 @@ class RemoteEngine(TransferEngine):
                 copy[:] = np.frombuffer(memory, dtype=np.uint8)
                 offset, keep = int(copy.ctypes.data) - self._pool.base, copy
             fields = self._call("register", handle, offset, span.length, span.writable, writable)
+        return self._region(handle, fields, keep)
+
+    def _region(self, handle: int, fields: dict[str, Any], keep: object) -> MemoryRegion:
         region = MemoryRegion(
             handle=handle,
             ptr=fields["ptr"],
@@ -446,6 +467,21 @@ class RemoteEngine(TransferEngine):
         self._check_open()
         self._call("deregister", region)
 
+    def rekey(self, region: MemoryRegion) -> MemoryRegion:
+        self._check_open()
+        handle = next(self._pool.handles)
+        return self._region(handle, self._call("rekey", region, handle), region._keepalive)
+
+    def fence(
+        self, peers: Sequence[DomainAddress | MemoryRegionDescriptor], *, timeout: float | None = None
+    ) -> None:
+        self._check_open()
+        self._call("fence", list(peers), timeout, limit=self._bound(timeout))
+
+    def dump_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = self._call("dump_state")
+        return state
+
     # one-sided ---------------------------------------------------------------------------
     def _track(self, reply: tuple[int, tuple[int, ...]]) -> Transfer:
         tid, per_target = reply
@@ -459,9 +495,9 @@ class RemoteEngine(TransferEngine):
         transfer._resolve(early)
         return transfer
 
-    def submit(self, request: Request) -> Transfer:
+    def submit(self, request: Request, *, timeout: float | None = None) -> Transfer:
         self._check_open()
-        return self._track(self._call("submit", request))
+        return self._track(self._call("submit", request, timeout))
 
     def peer_group(self, peers: Sequence[DomainAddress | MemoryRegionDescriptor]) -> PeerGroup:
         self._check_open()
@@ -473,9 +509,11 @@ class RemoteEngine(TransferEngine):
         return _RemoteCounter(self, check_imm(imm))
 
     # two-sided ---------------------------------------------------------------------------
-    def submit_send(self, peer: DomainAddress, data: bytes | bytearray | memoryview) -> Transfer:
+    def submit_send(
+        self, peer: DomainAddress, data: bytes | bytearray | memoryview, *, timeout: float | None = None
+    ) -> Transfer:
         self._check_open()
-        return self._track(self._call("submit_send", peer, bytes(data)))
+        return self._track(self._call("submit_send", peer, bytes(data), timeout))
 
     def recv(self, timeout: float | None = None) -> Message:
         self._check_open()
@@ -550,9 +588,13 @@ class RemoteHarness(Harness):
         reports_remote_access_errors: bool = True,
         detects_closed_peers: bool = True,
         spread: bool = True,
+        supports_stall: bool = False,
     ) -> None:
         super().__init__()
         self.pool, self.config, self.spread = pool, dict(config), spread
+        # stall = SIGSTOP of the engine's worker: only where each engine has its own process
+        self.supports_stall = supports_stall and spread
+        self._stopped: set[int] = set()
         self.max_nics = max_nics
         self.reports_remote_access_errors = reports_remote_access_errors
         self.detects_closed_peers = detects_closed_peers
@@ -565,7 +607,25 @@ class RemoteHarness(Harness):
     def alloc(self, nbytes: int) -> U8Array:
         return self.pool.alloc(nbytes)
 
+    def stall_peer(self, engine: TransferEngine) -> None:
+        if not self.supports_stall or not isinstance(engine, RemoteEngine):
+            super().stall_peer(engine)
+            return
+        os.kill(engine.pid, signal.SIGSTOP)
+        self._stopped.add(engine.pid)
+
+    def resume_peer(self, engine: TransferEngine) -> None:
+        if not isinstance(engine, RemoteEngine):
+            super().resume_peer(engine)
+            return
+        self._stopped.discard(engine.pid)
+        os.kill(engine.pid, signal.SIGCONT)
+
     def close(self) -> None:
+        for pid in self._stopped:  # a test that failed while a worker was stopped
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        self._stopped.clear()
         engines = [e for e in self._engines if isinstance(e, RemoteEngine)]
         try:
             super().close()

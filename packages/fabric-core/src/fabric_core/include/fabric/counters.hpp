@@ -230,6 +230,41 @@ class CounterTable {
         return lost_.count(peer) != 0;
     }
 
+    // The peers that queued waiters name: the engine probes them for liveness, since an imm
+    // names no sender and a dead sender's imms simply stop arriving.
+    std::vector<std::string> watched_peers() const {
+        std::lock_guard<std::mutex> lock(mu_);
+        std::vector<std::string> out;
+        for (const auto& [imm, slot] : slots_)
+            for (const auto& w : slot.waiters)
+                if (!w->peer.empty() && std::find(out.begin(), out.end(), w->peer) == out.end())
+                    out.push_back(w->peer);
+        return out;
+    }
+
+    struct WaiterView {
+        uint32_t imm;
+        uint64_t count;  // unconsumed counts of the imm
+        uint64_t n;      // what the waiter needs
+        std::string peer;
+        bool blocking;
+    };
+
+    // Every queued waiter, in FIFO order per imm (for hang diagnostics).
+    std::vector<WaiterView> pending() const {
+        std::lock_guard<std::mutex> lock(mu_);
+        std::vector<WaiterView> out;
+        for (const auto& [imm, slot] : slots_)
+            for (const auto& w : slot.waiters) out.push_back(WaiterView{imm, slot.count, w->n, w->peer, w->token == 0});
+        std::stable_sort(out.begin(), out.end(), [](const WaiterView& a, const WaiterView& b) { return a.imm < b.imm; });
+        return out;
+    }
+
+    std::vector<std::string> lost_peers() const {
+        std::lock_guard<std::mutex> lock(mu_);
+        return std::vector<std::string>(lost_.begin(), lost_.end());
+    }
+
     // Fails every waiter (the engine is closing); their tokens go to ``failed``.
     void fail_all(Tokens& failed) {
         {

@@ -17,6 +17,9 @@
 // A Domain provides (see fabric_efa's LibfabricDomain for the libfabric one):
 //   std::string address() const;                         // this NIC's address bytes
 //   uint64_t insert_peer(const std::string& address);    // peer handle (fi_addr_t, ...)
+//   void remove_peer(uint64_t peer);                     // forget a lost peer (its connection
+//                                                        // state), so a restarted process at
+//                                                        // the same address is reached anew
 //   bool virt_addr() const;                              // remote addresses are virtual
 //   int post_write(const WriteOp&, void* ctx);           // 0, -EAGAIN (retry later), -errno
 //                                                        // (-EHOSTUNREACH, -ECONNREFUSED,
@@ -30,11 +33,27 @@
 //   template <class Sink> size_t poll(Sink&);            // calls sink.on_*(...) per entry
 // Sink callbacks: on_write_done(ctx), on_send_done(ctx), on_recv(ctx, len),
 //                 on_imm(uint32_t imm), on_error(ctx, status, message).
+//
+// Failure (docs/concepts/failures.md). Every request has a deadline (its own, or the engine
+// default): past it, the request completes with kTimeout. A peer is lost when it leaves a
+// liveness probe unanswered (or the provider refuses the probe outright): the worker pings,
+// over the control channel, every peer that in-flight work or a counter waiter depends on and
+// that has shown no sign of life for an interval, and at once a peer the transport failed a
+// work request to (whose connection state it first resets: one bad key drops a tcp
+// connection, and a peer is not dead for that). The peer's worker answers in C++ (no Python
+// on either side). A lost peer fails every request to it with kPeerUnreachable, its counter
+// waiters are failed (through Python: Batch::lost), and its address-vector entries are
+// removed, so a restarted process at the same address is resolved anew. Hearing from a lost
+// peer again (an answer, a message, a completed write) revives it. A request failed early
+// (deadline, lost peer) stays in the live table, out of sight, until the provider has
+// reported each of its posted work requests: their contexts live in it.
 #pragma once
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -67,6 +86,23 @@ enum Status : int32_t {
     kRemoteAccess = 2,
     kTransport = 3,
     kClosed = 4,
+    kTimeout = 5,
+};
+
+using Clock = std::chrono::steady_clock;
+
+// What the worker knows of one remote engine (keyed by its NIC 0 address).
+struct PeerState {
+    std::string address;                 // NIC 0's address
+    std::vector<std::string> nic_addrs;  // per NIC, as learned from targets ("" unknown)
+    Clock::time_point heard{};           // last sign of life (answer, message, completed write)
+    Clock::time_point probe_sent{};      // the outstanding probe's send time (epoch: none)
+    bool probe_posted = false;           // the probe due since probe_sent is on the wire
+    uint64_t probes = 0;                 // probes sent
+    bool lost = false;
+    bool wanted = false;                 // scratch of the liveness tick
+    bool touched = false;                // probe_peer() asked for a probe
+    uint64_t answered = 0;               // the highest probe nonce it answered
 };
 
 struct WriteOp {
@@ -87,6 +123,8 @@ struct Target {
     std::vector<uint64_t> rkeys;         // per NIC
     uint64_t remote_base = 0;            // the descriptor's ptr
     std::vector<uint64_t> peers;         // per NIC, kUnresolved until the worker resolves it
+    PeerState* state = nullptr;          // the peer's liveness state (worker only)
+    uint64_t epoch = 0;                  // the engine's peer epoch ``peers`` was resolved in
     static constexpr uint64_t kUnresolved = ~uint64_t(0);
 };
 
@@ -101,7 +139,9 @@ struct OpCtx {
     uint64_t src = 0;
     uint64_t dst_off = 0;
     uint64_t len = 0;
-    int kind = 0;  // 0 write, 1 send, 2 recv
+    int kind = 0;  // 0 write, 1 send, 2 recv, 3 probe or answer (no request)
+    enum : uint8_t { kQueued = 0, kPosted = 1, kSettled = 2 };
+    uint8_t state = kQueued;  // for diagnostics (Engine::dump)
 };
 
 struct Request {
@@ -115,23 +155,59 @@ struct Request {
     std::string payload;
     std::string send_to;
     bool resolve_only = false;  // complete once send_to resolves on NIC 0 (peer groups)
+    double timeout_s = -1;      // deadline after intake; negative: the engine default
     // progress
     size_t left = 0;
     int32_t status = kOk;
     std::string message;
+    Clock::time_point started{}, deadline{};
+    bool abandoned = false;  // completed early (deadline, lost peer): its WRs are still out
+    int32_t fail_nic = -1;   // the NIC of the first failed WR
 };
 
 struct Completion {
     uint64_t id;
     int32_t status;
     std::string message;
+    std::string peer;  // failures: the peer involved (NIC 0 address), if known
+    int32_t nic = -1;  // failures: the local NIC involved, if one
 };
 
 struct Batch {
     std::vector<Completion> done;
     std::vector<uint64_t> fired;  // tokens of counter waiters (asyncio, expect) the imms fired
     std::vector<std::string> messages;
-    bool empty() const { return done.empty() && fired.empty() && messages.empty(); }
+    std::vector<std::pair<std::string, std::string>> lost;  // (peer, why): fail its waiters
+    std::vector<std::string> revived;                        // lost peers heard from again
+    bool empty() const {
+        return done.empty() && fired.empty() && messages.empty() && lost.empty() && revived.empty();
+    }
+};
+
+// Hang diagnostics (Engine::dump).
+struct RequestView {
+    uint64_t id;
+    double age_s;
+    double deadline_in_s;
+    size_t ops, left, unposted;
+    std::vector<size_t> left_per_nic;
+    std::vector<std::string> peers;  // NIC 0 addresses of its targets (or the send's peer)
+    bool has_imm;
+    uint32_t imm;
+    bool abandoned;
+};
+struct PeerView {
+    std::string address;
+    double heard_s_ago;  // negative: never
+    double probe_out_s;  // negative: no probe outstanding
+    uint64_t probes;
+    bool lost;
+};
+struct EngineDump {
+    std::vector<RequestView> requests;
+    std::vector<PeerView> peers;
+    size_t inflight_wrs = 0;
+    std::vector<size_t> unposted_per_nic;
 };
 
 struct EngineStats {
@@ -139,6 +215,9 @@ struct EngineStats {
     uint64_t completed_wrs = 0;  // writes that completed successfully
     uint64_t bytes_written = 0;  // their bytes
     uint64_t eagain = 0;
+    uint64_t probes = 0;       // liveness probes sent
+    uint64_t peers_lost = 0;
+    uint64_t timeouts = 0;     // requests failed at their deadline
 };
 
 template <class Domain>
@@ -153,11 +232,13 @@ class Engine {
           pending_(nics_.size()),
           peers_(nics_.size()),
           recv_depth_(recv_depth),
-          max_send_(max_send) {
+          max_send_(max_send),
+          frame_(max_send + 1) {
         // Control messages move through registered buffers on NIC 0: receive buffers, and a
         // pool of send slots the payloads are copied into when posted (FI_MR_LOCAL).
-        recv_arena_.resize(recv_depth_ * max_send_);
-        send_arena_.resize(kSendSlots * max_send_);
+        // Every control frame starts with a type byte (kFrameUser, kFramePing, kFramePong).
+        recv_arena_.resize(recv_depth_ * frame_);
+        send_arena_.resize(kSendSlots * frame_);
         recv_desc_ = nics_[0]->local_desc(recv_arena_.data(), recv_arena_.size());
         send_desc_ = nics_[0]->local_desc(send_arena_.data(), send_arena_.size());
         for (uint32_t i = kSendSlots; i > 0; i--) free_slots_.push_back(i - 1);
@@ -165,9 +246,10 @@ class Engine {
         for (size_t i = 0; i < recv_depth_; i++) {
             recv_ctx_[i].kind = 2;
             recv_ctx_[i].src = i;
-            int rc = nics_[0]->post_recv(recv_buf(i), max_send_, recv_desc_, &recv_ctx_[i]);
+            int rc = nics_[0]->post_recv(recv_buf(i), frame_, recv_desc_, &recv_ctx_[i]);
             if (rc != 0) throw std::runtime_error("posting control receive buffers failed: " + std::to_string(rc));
         }
+        self_address_ = nics_[0]->address();
         worker_ = std::thread([this, cpu] { run(cpu); });
         counters_->set_progress([this] { return help(); });
     }
@@ -273,7 +355,10 @@ class Engine {
         return b;
     }
 
+    // Idempotent; a second caller (the destructor, another thread) returns only once the
+    // first has joined the worker, so the engine is never destroyed under a closing thread.
     void close() {
+        std::lock_guard<std::mutex> closing(close_mu_);
         counters_->set_progress(nullptr);  // waiters stop helping (and wait for those inside)
         if (stop_.exchange(true)) return;
         {
@@ -294,7 +379,116 @@ class Engine {
         s.completed_wrs = completed_.load();
         s.bytes_written = bytes_.load();
         s.eagain = eagain_.load();
+        s.probes = probes_.load();
+        s.peers_lost = peers_lost_.load();
+        s.timeouts = timeouts_.load();
         return s;
+    }
+
+    // Failure detection: probe a peer that work depends on after ``interval_s`` without a sign
+    // of life (0: never probe), declare it lost when a probe stays unanswered ``timeout_s``;
+    // requests with no deadline of their own complete with kTimeout ``transfer_timeout_s``
+    // after intake (infinite: never).
+    void configure_liveness(double interval_s, double timeout_s, double transfer_timeout_s) {
+        std::lock_guard<std::mutex> lock(progress_mu_);
+        probe_interval_ = interval_s > 0 ? to_duration(interval_s) : Clock::duration::max();
+        probe_timeout_ = to_duration(timeout_s);
+        default_timeout_s_ = transfer_timeout_s;
+    }
+
+    // Waits until each peer (NIC 0 address) has answered a probe sent now: its answer travels
+    // behind every byte that peer posted to this engine before it, so once it is here, each
+    // write the peer had under way has been processed (landed, or refused by the keys). With
+    // a key revoked first, nothing of the peer's older writes can land after this returns.
+    // Returns the peers that did not answer within ``timeout_s``. Any thread but the worker.
+    std::vector<std::string> fence(const std::vector<std::string>& addresses, double timeout_s) {
+        auto deadline = Clock::now() + to_duration(std::min(std::max(timeout_s, 0.0), 1e6));
+        uint64_t nonce;
+        std::vector<std::string> left(addresses);
+        {
+            std::lock_guard<std::mutex> lock(progress_mu_);
+            nonce = ++fence_nonce_;
+            now_ = Clock::now();
+            for (const auto& a : addresses) {
+                state_for(a);  // its answer is recorded there
+                fences_.push_back(Fence{a, nonce});
+            }
+        }
+        while (true) {
+            {
+                std::lock_guard<std::mutex> lock(progress_mu_);
+                now_ = Clock::now();
+                step();
+                std::vector<std::string> still;
+                for (const auto& a : left) {
+                    auto it = peer_state_.find(a);
+                    if (it == peer_state_.end() || it->second.answered < nonce) still.push_back(a);
+                }
+                left.swap(still);
+            }
+            if (left.empty() || Clock::now() >= deadline || stop_.load()) break;
+            std::this_thread::sleep_for(std::chrono::microseconds(50));
+        }
+        std::lock_guard<std::mutex> lock(progress_mu_);
+        fences_.erase(std::remove_if(fences_.begin(), fences_.end(), [&](const Fence& f) { return f.nonce == nonce; }),
+                      fences_.end());
+        return left;
+    }
+
+    // Someone wants to know whether ``address`` is alive again (a wait named it while it was
+    // lost): probe it at the next tick, so that an answer revives it. Any thread.
+    void probe_peer(const std::string& address) {
+        std::lock_guard<std::mutex> lock(touch_mu_);
+        touched_.push_back(address);
+    }
+
+    // What is outstanding, for hang diagnostics: live requests (oldest first), known peers.
+    EngineDump dump() {
+        std::lock_guard<std::mutex> lock(progress_mu_);
+        auto now = Clock::now();
+        auto secs = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
+        EngineDump out;
+        out.inflight_wrs = inflight_;
+        for (auto& q : pending_) out.unposted_per_nic.push_back(q.size());
+        for (const auto& [id, r] : live_) {
+            RequestView v{};
+            v.id = id;
+            v.age_s = secs(now - r->started);
+            v.deadline_in_s = r->deadline == Clock::time_point::max() ? -1.0 : secs(r->deadline - now);
+            v.ops = r->ops.size();
+            v.left = r->left;
+            v.unposted = 0;
+            v.left_per_nic.assign(nics_.size(), 0);
+            for (const OpCtx& op : r->ops) {
+                if (op.state == OpCtx::kSettled) continue;
+                if (op.state == OpCtx::kQueued) v.unposted++;
+                if (op.nic < nics_.size()) v.left_per_nic[op.nic]++;
+            }
+            if (!r->send_to.empty()) {
+                v.peers.push_back(r->send_to);
+            } else {
+                for (const auto& t : r->targets)
+                    if (!t->addresses.empty() &&
+                        std::find(v.peers.begin(), v.peers.end(), t->addresses[0]) == v.peers.end())
+                        v.peers.push_back(t->addresses[0]);
+            }
+            v.has_imm = r->has_imm;
+            v.imm = r->imm;
+            v.abandoned = r->abandoned;
+            out.requests.push_back(std::move(v));
+        }
+        std::sort(out.requests.begin(), out.requests.end(),
+                  [](const RequestView& a, const RequestView& b) { return a.age_s > b.age_s; });
+        for (const auto& [addr, p] : peer_state_) {
+            PeerView v;
+            v.address = addr;
+            v.heard_s_ago = p.heard == Clock::time_point{} ? -1.0 : secs(now - p.heard);
+            v.probe_out_s = p.probe_sent == Clock::time_point{} ? -1.0 : secs(now - p.probe_sent);
+            v.probes = p.probes;
+            v.lost = p.lost;
+            out.peers.push_back(std::move(v));
+        }
+        return out;
     }
 
   private:
@@ -358,9 +552,11 @@ class Engine {
     // One progress step: take new requests, post, poll every CQ, publish. Whoever holds
     // progress_mu_ runs it: the worker, or a thread that help()s while it waits on a counter.
     bool step() {
+        now_ = Clock::now();
         bool busy = intake();
         busy |= post_pending();
         busy |= poll_all();
+        if (now_ - last_tick_ >= kTick || !fences_.empty()) tick();
         publish();
         return busy;
     }
@@ -381,6 +577,11 @@ class Engine {
             any = true;
             Request* r = req.release();
             live_.emplace(r->id, std::unique_ptr<Request>(r));
+            r->started = now_;
+            double limit = r->timeout_s >= 0 ? r->timeout_s : default_timeout_s_;
+            r->deadline = std::isfinite(limit) && limit < 1e9
+                              ? now_ + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(limit))
+                              : Clock::time_point::max();
             if (r->resolve_only) {
                 uint64_t peer = 0;
                 bool ok = resolve(0, r->send_to, peer);
@@ -442,6 +643,12 @@ class Engine {
             unsigned budget = 256;
             while (!q.empty() && budget--) {
                 OpCtx* op = q.front();
+                if (op->request->abandoned) {  // failed early: never posted
+                    q.pop_front();
+                    settle(*op);
+                    any = true;
+                    continue;
+                }
                 int rc = post(n, *op);
                 if (rc == -EAGAIN) {
                     eagain_++;
@@ -452,9 +659,11 @@ class Engine {
                 any = true;
                 if (rc != 0) {
                     bool unreachable = rc == -EHOSTUNREACH || rc == -ECONNREFUSED || rc == -ENOTCONN;
-                    fail_op(*op, unreachable ? kPeerUnreachable : kTransport,
-                            std::string("posting failed: ") + std::strerror(-rc));
+                    std::string why = std::string("posting failed: ") + std::strerror(-rc);
+                    if (unreachable) transport_lost(*op, why);
+                    fail_op(*op, unreachable ? kPeerUnreachable : kTransport, why);
                 } else {
+                    op->state = OpCtx::kPosted;
                     posted_++;
                 }
             }
@@ -469,16 +678,27 @@ class Engine {
                 if (free_slots_.empty()) return -EAGAIN;
                 op.src = uint64_t(free_slots_.back()) + 1;
                 free_slots_.pop_back();
-                std::memcpy(send_slot(op.src - 1), r.payload.data(), r.payload.size());
+                char* slot = send_slot(op.src - 1);
+                slot[0] = kFrameUser;
+                std::memcpy(slot + 1, r.payload.data(), r.payload.size());
             }
-            return nics_[n]->post_send(send_slot(op.src - 1), r.payload.size(), send_desc_, op.dst_off, &op);
+            return nics_[n]->post_send(send_slot(op.src - 1), r.payload.size() + 1, send_desc_, op.dst_off, &op);
         }
         Target& t = *r.targets[op.target];
-        if (t.peers.size() != nics_.size()) t.peers.assign(nics_.size(), Target::kUnresolved);
+        if (t.peers.size() != nics_.size() || t.epoch != epoch_) {  // new, or a peer was evicted since
+            t.peers.assign(nics_.size(), Target::kUnresolved);
+            t.epoch = epoch_;
+            t.state = &state_for(t.addresses[0]);
+        }
         uint64_t& peer = t.peers[n];
-        if (peer == Target::kUnresolved && !resolve(n, t.addresses[n], peer)) {
-            peer = Target::kUnresolved;
-            return -EHOSTUNREACH;
+        if (peer == Target::kUnresolved) {
+            if (!resolve(n, t.addresses[n], peer)) {
+                peer = Target::kUnresolved;
+                return -EHOSTUNREACH;
+            }
+            auto& known = t.state->nic_addrs;
+            if (known.size() < nics_.size()) known.resize(nics_.size());
+            if (n < t.addresses.size()) known[n] = t.addresses[n];
         }
         WriteOp w;
         w.src = reinterpret_cast<const void*>(op.src);
@@ -496,13 +716,26 @@ class Engine {
         Engine* self;
         uint32_t nic;
         void on_write_done(void* ctx) { self->finish_op(*static_cast<OpCtx*>(ctx)); }
-        void on_send_done(void* ctx) { self->finish_op(*static_cast<OpCtx*>(ctx)); }
+        void on_send_done(void* ctx) {
+            auto* op = static_cast<OpCtx*>(ctx);
+            if (op->kind == 3) {
+                self->probe_done(*op);
+                return;
+            }
+            self->finish_op(*op);
+        }
         void on_recv(void* ctx, size_t len) { self->got_message(*static_cast<OpCtx*>(ctx), len); }
         void on_imm(uint32_t imm) { self->imm_counts_[imm]++; }
         void on_error(void* ctx, int32_t status, const std::string& message) {
             if (ctx == nullptr) return;
             auto* op = static_cast<OpCtx*>(ctx);
             if (op->kind == 2) return;  // a receive flushed at close
+            if (op->kind == 3) {
+                self->probe_failed(*op, status, message);
+                return;
+            }
+            // (before fail_op, which may free the op's request)
+            if (status == kPeerUnreachable) self->transport_lost(*op, message);
             self->fail_op(*op, status, message);
         }
     };
@@ -520,6 +753,10 @@ class Engine {
         if (op.kind == 0) {
             completed_.fetch_add(1, std::memory_order_relaxed);
             bytes_.fetch_add(op.len, std::memory_order_relaxed);
+            // a completed work request is a sign of life (a probe can sit behind megabytes of
+            // data on a transport with one stream per peer, such as tcp)
+            PeerState* p = op.request->targets[op.target]->state;
+            if (p != nullptr) p->heard = now_;
         }
         settle(op);
     }
@@ -529,6 +766,7 @@ class Engine {
         if (r.status == kOk) {
             r.status = status;
             r.message = message;
+            r.fail_nic = op.kind == 0 ? static_cast<int32_t>(op.nic) : 0;
         }
         settle(op);
     }
@@ -539,16 +777,320 @@ class Engine {
             op.src = 0;
         }
         Request& r = *op.request;
+        op.state = OpCtx::kSettled;
         inflight_--;
         if (--r.left == 0) {
-            ready_.push_back(Completion{r.id, r.status, r.message});
+            if (!r.abandoned) {
+                if (r.status == kOk) {
+                    ready_.push_back(Completion{r.id, kOk, std::string(), std::string()});
+                } else {
+                    ready_.push_back(failure(r, r.status, r.message, r.fail_nic));
+                }
+                if (r.status == kOk)  // a completed write or send is a sign of life
+                    for (const auto& t : r.targets)
+                        if (t->state) heard(*t->state);
+            }
             live_.erase(r.id);
         }
     }
 
     void got_message(OpCtx& op, size_t len) {
-        messages_.emplace_back(recv_buf(op.src), len);
-        nics_[0]->post_recv(recv_buf(op.src), max_send_, recv_desc_, &op);
+        const char* buf = recv_buf(op.src);
+        // [type][address length][address][body]; a user frame's address and body are the
+        // Python header and payload, handed on without the type byte.
+        if (len >= 2 && size_t(uint8_t(buf[1])) + 2 <= len) {
+            std::string from(buf + 2, uint8_t(buf[1]));
+            auto it = peer_state_.find(from);
+            if (it != peer_state_.end()) heard(it->second);
+            uint64_t nonce = 0;
+            size_t body = 2 + size_t(uint8_t(buf[1]));
+            if (buf[0] != kFrameUser && len >= body + sizeof(nonce)) std::memcpy(&nonce, buf + body, sizeof(nonce));
+            if (buf[0] == kFrameUser) {
+                messages_.emplace_back(buf + 1, len - 1);
+            } else if (buf[0] == kFramePing) {
+                // The answer leaves after everything this engine posted to the pinger before it,
+                // on the same stream where the transport has one (tcp): fence() relies on it.
+                send_frame(kFramePong, from, nullptr, nullptr, nonce);
+            } else if (buf[0] == kFramePong && it != peer_state_.end()) {
+                it->second.answered = std::max(it->second.answered, nonce);
+            }
+        }
+        nics_[0]->post_recv(recv_buf(op.src), frame_, recv_desc_, &op);
+    }
+
+    // --- failure detection --------------------------------------------------------------
+    static Clock::duration to_duration(double s) {
+        if (!std::isfinite(s) || s > 1e9) return Clock::duration::max();
+        return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(std::max(s, 0.0)));
+    }
+
+    PeerState& state_for(const std::string& address) {
+        auto [it, fresh] = peer_state_.try_emplace(address);
+        if (fresh) {
+            it->second.address = address;
+            it->second.heard = now_;  // a new peer gets an interval before it is probed
+        }
+        return it->second;
+    }
+
+    void heard(PeerState& p) {
+        p.heard = now_;
+        p.probe_sent = Clock::time_point{};
+        p.probe_posted = false;
+        if (p.lost) {
+            p.lost = false;
+            revived_.push_back(p.address);
+        }
+    }
+
+    // Sends a ping or a pong to ``to`` (NIC 0 address) from a probe slot; false if it could
+    // not be posted now (no slot, a full NIC: the next tick tries again) or the peer refused.
+    // ``about``: the peer a ping probes (its failure then says the peer is gone); null: a pong.
+    bool send_frame(char type, const std::string& to, PeerState* about = nullptr, int* error = nullptr,
+                    uint64_t nonce = 0, bool fencing = false) {
+        if (free_slots_.empty()) return false;
+        uint64_t handle = 0;
+        if (!resolve(0, to, handle)) {
+            if (error) *error = -EHOSTUNREACH;
+            return false;
+        }
+        OpCtx* op;
+        if (free_probes_.empty()) {
+            probe_ctx_.emplace_back();
+            op = &probe_ctx_.back();
+        } else {
+            op = free_probes_.back();
+            free_probes_.pop_back();
+        }
+        *op = OpCtx{};
+        op->kind = 3;
+        op->target = fencing ? 1 : 0;
+        op->dst_off = reinterpret_cast<uint64_t>(about);
+        op->src = uint64_t(free_slots_.back()) + 1;
+        free_slots_.pop_back();
+        char* slot = send_slot(op->src - 1);
+        size_t alen = std::min<size_t>(self_address_.size(), 255);
+        slot[0] = type;
+        slot[1] = static_cast<char>(alen);
+        std::memcpy(slot + 2, self_address_.data(), alen);
+        std::memcpy(slot + 2 + alen, &nonce, sizeof(nonce));
+        int rc = nics_[0]->post_send(slot, alen + 2 + sizeof(nonce), send_desc_, handle, op);
+        if (rc != 0) {
+            release_probe(*op);
+            if (error) *error = rc;
+            return false;
+        }
+        return true;
+    }
+
+    void release_probe(OpCtx& op) {
+        if (op.src != 0) free_slots_.push_back(static_cast<uint32_t>(op.src - 1));
+        op.src = 0;
+        free_probes_.push_back(&op);
+    }
+
+    void probe_done(OpCtx& op) { release_probe(op); }
+
+    void probe_failed(OpCtx& op, int32_t status, const std::string& message) {
+        auto* about = reinterpret_cast<PeerState*>(op.dst_off);
+        bool fencing = op.target == 1;
+        release_probe(op);
+        if (about != nullptr && fencing) {  // the connection went: retry on a fresh one
+            evict(*about);
+            return;
+        }
+        // A ping the transport refuses says the peer is gone; any other failure leaves it to
+        // the unanswered-probe deadline.
+        if (about != nullptr && status == kPeerUnreachable)
+            peer_lost(*about, "the transport refused a liveness probe: " + message);
+    }
+
+    // A work request failed with kPeerUnreachable: the transport says the peer is gone.
+    void transport_lost(OpCtx& op, const std::string& message) {
+        Request& r = *op.request;
+        if (r.abandoned) return;  // the aftermath of a failure already acted on (flushed WRs)
+        const std::string* peer = nullptr;
+        if (op.kind == 1) {
+            peer = &r.send_to;
+        } else if (op.target < r.targets.size() && !r.targets[op.target]->addresses.empty()) {
+            peer = &r.targets[op.target]->addresses[0];
+        }
+        if (peer != nullptr && !peer->empty()) suspect(state_for(*peer));
+        (void)message;
+    }
+
+    // The transport failed a work request to ``p`` at the connection level. That is not proof
+    // of death (tcp drops a connection over one bad key; a restarted peer refuses the old
+    // connection): reset the connection state, so the next request connects anew, and probe
+    // it now. Unanswered, the probe declares it lost, as for a silent peer.
+    void suspect(PeerState& p) {
+        evict(p);
+        if (probe_interval_ == Clock::duration::max()) return;  // probing is off: deadlines only
+        if (!p.probe_posted) {
+            p.touched = true;
+            p.heard = std::min(p.heard, now_ - probe_interval_);
+        }
+    }
+
+    void evict(PeerState& p) {
+        for (uint32_t n = 0; n < nics_.size(); n++) {
+            const std::string& a = n == 0 ? p.address : (n < p.nic_addrs.size() ? p.nic_addrs[n] : std::string());
+            if (a.empty()) continue;
+            auto it = peers_[n].find(a);
+            if (it == peers_[n].end()) continue;
+            try {
+                nics_[n]->remove_peer(it->second);
+            } catch (...) {
+            }
+            peers_[n].erase(it);
+        }
+        epoch_++;
+    }
+
+    // Completes ``r`` now with ``status``; its posted WRs are reaped as the provider reports
+    // them, its queued ones are dropped unposted.
+    void abandon(Request& r, int32_t status, std::string message) {
+        if (r.abandoned) return;
+        r.abandoned = true;
+        if (r.status == kOk) {
+            r.status = status;
+            r.message = message;
+        }
+        int32_t nic = -1;
+        for (const OpCtx& op : r.ops)
+            if (op.state != OpCtx::kSettled) {
+                nic = static_cast<int32_t>(op.nic);
+                break;
+            }
+        ready_.push_back(failure(r, status, std::move(message), nic));
+    }
+
+    static Completion failure(const Request& r, int32_t status, std::string message, int32_t nic) {
+        std::string peer = !r.send_to.empty()                                      ? r.send_to
+                           : !r.targets.empty() && !r.targets[0]->addresses.empty() ? r.targets[0]->addresses[0]
+                                                                                   : std::string();
+        return Completion{r.id, status, std::move(message), std::move(peer), nic};
+    }
+
+    static bool depends_on(const Request& r, const std::string& peer) {
+        if (!r.send_to.empty()) return r.send_to == peer;
+        for (const auto& t : r.targets)
+            if (!t->addresses.empty() && t->addresses[0] == peer) return true;
+        return false;
+    }
+
+    void peer_lost(PeerState& p, const std::string& why) {
+        std::string message = "peer lost: " + why;
+        for (auto& [id, r] : live_)
+            if (!r->abandoned && depends_on(*r, p.address)) abandon(*r, kPeerUnreachable, message);
+        bool fresh = !p.lost;
+        if (fresh) peers_lost_++;
+        p.lost = true;
+        p.probe_sent = Clock::time_point{};
+        p.probe_posted = false;
+        p.heard = now_;  // the next probe (if work still needs it) comes an interval from now
+        // Evict: its address-vector entries go, and every target resolves anew (a restarted
+        // process at the same address is a new peer to the provider).
+        evict(p);
+        if (fresh) lost_.emplace_back(p.address, why);
+    }
+
+    // Every kTick: deadlines, and the liveness of the peers that work depends on.
+    void tick() {
+        last_tick_ = now_;
+        // fence() probes: sent, and sent again every kFenceRetry until answered (a connection
+        // the transport tore down loses what was queued on it: the probe is then retried on a
+        // fresh one, its state reset by the failure).
+        for (auto& f : fences_) {
+            PeerState& p = state_for(f.address);
+            if (p.answered >= f.nonce || now_ - f.sent < kFenceRetry) continue;
+            int error = 0;
+            if (send_frame(kFramePing, f.address, &p, &error, f.nonce, true)) {
+                f.sent = now_;
+            } else if (error != 0 && error != -EAGAIN) {
+                evict(p);
+            }
+        }
+        bool probing = probe_interval_ != Clock::duration::max();
+        for (auto& [id, r] : live_) {
+            if (r->abandoned) continue;
+            if (now_ >= r->deadline) {
+                timeouts_++;
+                abandon(*r, kTimeout, deadline_message(*r));
+                continue;
+            }
+            if (!probing || now_ - r->started < probe_interval_) continue;
+            if (!r->send_to.empty()) {
+                state_for(r->send_to).wanted = true;
+            } else {
+                for (const auto& t : r->targets)
+                    if (t->state) t->state->wanted = true;
+            }
+        }
+        if (!probing) return;
+        if (now_ - last_watch_ >= probe_interval_ / 4) {  // counter waiters naming a peer
+            last_watch_ = now_;
+            watched_ = counters_->watched_peers();
+        }
+        for (const auto& a : watched_) state_for(a).wanted = true;
+        {
+            std::lock_guard<std::mutex> lock(touch_mu_);
+            for (const auto& a : touched_) {
+                PeerState& p = state_for(a);
+                if (!p.probe_posted || now_ - p.probe_sent >= probe_timeout_) {  // none, or a stale one
+                    p.probe_posted = false;
+                    p.probe_sent = Clock::time_point{};
+                    p.touched = true;
+                    p.heard = std::min(p.heard, now_ - probe_interval_);  // due now
+                }
+            }
+            touched_.clear();
+        }
+        for (auto& [addr, p] : peer_state_) {
+            if (!p.wanted && !p.touched) continue;
+            p.wanted = false;
+            if (p.probe_sent != Clock::time_point{} && now_ - p.probe_sent >= probe_timeout_) {
+                auto waited = std::to_string(std::chrono::duration<double>(now_ - p.probe_sent).count()).substr(0, 5);
+                peer_lost(p, p.probe_posted ? "no answer to a liveness probe in " + waited + " s"
+                                            : "a liveness probe could not even be posted in " + waited +
+                                                  " s (the provider keeps refusing: connection not established)");
+                continue;
+            }
+            if (p.probe_posted) continue;  // asked; waiting for the answer
+            if (p.probe_sent == Clock::time_point{} && now_ - p.heard < probe_interval_) continue;
+            // Due: post the probe. A provider that cannot post it now (-EAGAIN: e.g. a
+            // connection that never comes up) is retried every tick, and the probe's deadline
+            // runs from the first try all the same.
+            if (p.probe_sent == Clock::time_point{}) p.probe_sent = now_;
+            int error = 0;
+            if (send_frame(kFramePing, addr, &p, &error)) {
+                p.probe_posted = true;
+                p.touched = false;
+                p.probes++;
+                probes_++;
+            } else if (error != 0 && error != -EAGAIN) {
+                peer_lost(p, std::string("a liveness probe could not be sent: ") + std::strerror(-error));
+            }
+        }
+    }
+
+    std::string deadline_message(const Request& r) const {
+        size_t left = 0, unposted = 0;
+        std::vector<size_t> per_nic(nics_.size(), 0);
+        for (const OpCtx& op : r.ops) {
+            if (op.state == OpCtx::kSettled) continue;
+            left++;
+            if (op.state == OpCtx::kQueued) unposted++;
+            if (op.nic < per_nic.size()) per_nic[op.nic]++;
+        }
+        auto secs = std::chrono::duration<double>(r.deadline - r.started).count();
+        std::string m = "deadline of " + std::to_string(secs).substr(0, 6) + " s passed with " + std::to_string(left) +
+                        " of " + std::to_string(r.ops.size()) + " work requests outstanding (" +
+                        std::to_string(unposted) + " never posted; per NIC:";
+        for (size_t n = 0; n < per_nic.size(); n++) m += " " + std::to_string(per_nic[n]);
+        m += ")";
+        if (r.has_imm) m += ", imm " + std::to_string(r.imm);
+        return m;
     }
 
     void publish() {
@@ -558,7 +1100,7 @@ class Engine {
             counters_->add(imm_counts_, fired_);
             imm_counts_.clear();
         }
-        if (ready_.empty() && fired_.empty() && messages_.empty()) return;
+        if (ready_.empty() && fired_.empty() && messages_.empty() && lost_.empty() && revived_.empty()) return;
         more_coming_.store(inflight_ > 0, std::memory_order_relaxed);
         if (chaos_) {
             std::shuffle(ready_.begin(), ready_.end(), rng_);
@@ -569,7 +1111,11 @@ class Engine {
             for (auto& c : ready_) out_.done.push_back(std::move(c));
             out_.fired.insert(out_.fired.end(), fired_.begin(), fired_.end());
             for (auto& m : messages_) out_.messages.push_back(std::move(m));
+            for (auto& l : lost_) out_.lost.push_back(std::move(l));
+            for (auto& a : revived_) out_.revived.push_back(std::move(a));
         }
+        lost_.clear();
+        revived_.clear();
         if (drainers_.load(std::memory_order_seq_cst) == 0) out_cv_.notify_one();
         ready_.clear();
         fired_.clear();
@@ -584,7 +1130,8 @@ class Engine {
             poll_all();
         }
         for (auto& q : pending_) q.clear();
-        for (auto& [id, r] : live_) ready_.push_back(Completion{id, kClosed, "engine closed with this transfer in flight"});
+        for (auto& [id, r] : live_)
+            if (!r->abandoned) ready_.push_back(Completion{id, kClosed, "engine closed with this transfer in flight"});
         live_.clear();
         inflight_ = 0;
         publish();
@@ -610,8 +1157,34 @@ class Engine {
     std::vector<std::string> messages_;
     size_t recv_depth_;
     size_t max_send_;
-    char* recv_buf(size_t i) { return recv_arena_.data() + i * max_send_; }
-    char* send_slot(size_t i) { return send_arena_.data() + i * max_send_; }
+    size_t frame_;  // a control frame: the type byte and up to max_send_ bytes
+    char* recv_buf(size_t i) { return recv_arena_.data() + i * frame_; }
+    char* send_slot(size_t i) { return send_arena_.data() + i * frame_; }
+    static constexpr char kFrameUser = 0, kFramePing = 1, kFramePong = 2;
+    std::string self_address_;
+    // failure detection (worker only)
+    static constexpr auto kTick = std::chrono::milliseconds(10);
+    Clock::time_point now_{}, last_tick_{}, last_watch_{};
+    Clock::duration probe_interval_ = std::chrono::seconds(1);
+    Clock::duration probe_timeout_ = std::chrono::seconds(10);
+    double default_timeout_s_ = 60.0;
+    std::unordered_map<std::string, PeerState> peer_state_;  // node-based: pointers stay valid
+    std::vector<std::string> watched_;
+    struct Fence {
+        std::string address;
+        uint64_t nonce;
+        Clock::time_point sent{};
+    };
+    std::vector<Fence> fences_;  // fence() probes awaiting an answer
+    static constexpr auto kFenceRetry = std::chrono::milliseconds(100);
+    uint64_t fence_nonce_ = 1;
+    std::mutex touch_mu_;
+    std::vector<std::string> touched_;  // probe_peer() requests, any thread
+    uint64_t epoch_ = 1;
+    std::deque<OpCtx> probe_ctx_;  // stable addresses
+    std::vector<OpCtx*> free_probes_;
+    std::vector<std::pair<std::string, std::string>> lost_;
+    std::vector<std::string> revived_;
     static constexpr uint32_t kSendSlots = 64;
     std::vector<char> recv_arena_;
     std::vector<char> send_arena_;
@@ -631,7 +1204,9 @@ class Engine {
     std::mutex progress_mu_;      // held by whoever runs step(): the worker or a helper
     std::atomic<int> drainers_{0};  // threads in drain(): the completion thread is not woken
     std::atomic<bool> stop_{false};
+    std::mutex close_mu_;
     std::atomic<uint64_t> posted_{0}, completed_{0}, bytes_{0}, eagain_{0};
+    std::atomic<uint64_t> probes_{0}, peers_lost_{0}, timeouts_{0};
     std::thread worker_;
 };
 

@@ -109,10 +109,17 @@ inline void bind_counter_table(py::module_& m) {
             py::arg("peer"))
         .def(
             "revive_peer", [](Table& t, py::bytes peer) { t.revive_peer(std::string(peer)); }, py::arg("peer"))
-        .def("fail_all", [](Table& t) {
-            Tokens failed;
-            t.fail_all(failed);
-            return failed;
+        .def("fail_all",
+             [](Table& t) {
+                 Tokens failed;
+                 t.fail_all(failed);
+                 return failed;
+             })
+        .def("pending", [](const Table& t) {
+            // (imm, unconsumed count, what the waiter needs, its peer or b"") per queued waiter
+            py::list out;
+            for (const auto& w : t.pending()) out.append(py::make_tuple(w.imm, w.count, w.n, py::bytes(w.peer)));
+            return out;
         });
 }
 

@@ -132,24 +132,26 @@ class PyEngine {
 
     // Each returns the number of imms the target will count, or -1: take the Python path.
     int64_t fast_write(uint64_t id, py::handle src, py::handle src_offset, py::handle length, py::handle dst,
-                       py::handle dst_offset, py::handle imm, py::handle routing) {
+                       py::handle dst_offset, py::handle imm, py::handle routing, double timeout_s) {
         if (closed_ || !fast_) return -1;
         return push(fast_->write(id, src.ptr(), src_offset.ptr(), length.ptr(), dst.ptr(), dst_offset.ptr(), imm.ptr(),
-                                 routing.ptr(), rotation_));
+                                 routing.ptr(), rotation_),
+                    timeout_s);
     }
 
     int64_t fast_paged(uint64_t id, py::handle src, py::handle src_pages, py::handle src_stride, py::handle dst,
                        py::handle dst_pages, py::handle dst_stride, py::handle page_length, py::handle src_offset,
-                       py::handle dst_offset, py::handle imm, py::handle routing) {
+                       py::handle dst_offset, py::handle imm, py::handle routing, double timeout_s) {
         if (closed_ || !fast_) return -1;
         return push(fast_->paged(id, src.ptr(), src_pages.ptr(), src_stride.ptr(), dst.ptr(), dst_pages.ptr(),
                                  dst_stride.ptr(), page_length.ptr(), src_offset.ptr(), dst_offset.ptr(), imm.ptr(),
-                                 routing.ptr(), rotation_));
+                                 routing.ptr(), rotation_),
+                    timeout_s);
     }
 
-    int64_t fast_imm(uint64_t id, py::handle dst, py::handle imm, py::handle routing) {
+    int64_t fast_imm(uint64_t id, py::handle dst, py::handle imm, py::handle routing, double timeout_s) {
         if (closed_ || !fast_) return -1;
-        return push(fast_->imm_only(id, dst.ptr(), imm.ptr(), routing.ptr(), rotation_));
+        return push(fast_->imm_only(id, dst.ptr(), imm.ptr(), routing.ptr(), rotation_), timeout_s);
     }
 
     uint64_t fast_submitted() const { return fast_submitted_; }
@@ -187,10 +189,12 @@ class PyEngine {
 
     void submit_write(uint64_t id, uint64_t src_handle, uint64_t src_base, py::array_t<int64_t> nic,
                       py::array_t<int64_t> target, py::array_t<int64_t> src_off, py::array_t<int64_t> dst_off,
-                      py::array_t<int64_t> length, int64_t imm, const std::vector<TargetSpec>& targets) {
+                      py::array_t<int64_t> length, int64_t imm, const std::vector<TargetSpec>& targets,
+                      double timeout_s) {
         check_open();
         auto req = std::make_unique<Request>();
         req->id = id;
+        req->timeout_s = timeout_s;
         req->has_imm = imm >= 0;
         req->imm = static_cast<uint32_t>(imm >= 0 ? imm : 0);
         if (src_handle != 0) {  // imm-only writes and barriers carry no source
@@ -230,10 +234,12 @@ class PyEngine {
         }
     }
 
-    void submit_send(uint64_t id, py::bytes address, py::bytes payload) { submit_to(id, address, payload, false); }
+    void submit_send(uint64_t id, py::bytes address, py::bytes payload, double timeout_s) {
+        submit_to(id, address, payload, false, timeout_s);
+    }
 
     // Resolves a peer on the worker (which owns the address cache); completes like a transfer.
-    void check_peer(uint64_t id, py::bytes address) { submit_to(id, address, py::bytes(), true); }
+    void check_peer(uint64_t id, py::bytes address) { submit_to(id, address, py::bytes(), true, -1); }
 
     // (ids completed successfully, (id, status, message) of failed ones, tokens of counter
     // waiters the imms fired, messages)
@@ -264,10 +270,86 @@ class PyEngine {
         d["completed_wrs"] = s.completed_wrs;
         d["bytes_written"] = s.bytes_written;
         d["eagain"] = s.eagain;
+        d["probes"] = s.probes;
+        d["peers_lost"] = s.peers_lost;
+        d["timeouts"] = s.timeouts;
         return d;
     }
 
+    // See Engine::fence: the peers that did not answer in time.
+    std::vector<py::bytes> fence(const std::vector<py::bytes>& addresses, double timeout_s) {
+        check_open();
+        std::vector<std::string> a(addresses.begin(), addresses.end()), left;
+        {
+            py::gil_scoped_release release;
+            left = engine_->fence(a, timeout_s);
+        }
+        return std::vector<py::bytes>(left.begin(), left.end());
+    }
+
+    // See Engine::probe_peer.
+    void probe_peer(py::bytes address) {
+        if (engine_ && !closed_) engine_->probe_peer(std::string(address));
+    }
+
+    // See Engine::configure_liveness.
+    void configure_liveness(double interval_s, double timeout_s, double transfer_timeout_s) {
+        check_open();
+        engine_->configure_liveness(interval_s, timeout_s, transfer_timeout_s);
+    }
+
+    // What is outstanding in the engine core (Engine::dump), as plain data.
+    py::dict dump_state() {
+        py::dict d;
+        py::list requests, peers;
+        if (engine_ && !closed_) {
+            EngineDump e;
+            {
+                py::gil_scoped_release release;
+                e = engine_->dump();
+            }
+            for (auto& r : e.requests) {
+                py::dict v;
+                v["id"] = r.id;
+                v["age_s"] = r.age_s;
+                v["deadline_in_s"] = r.deadline_in_s < 0 ? py::object(py::none()) : py::object(py::float_(r.deadline_in_s));
+                v["work_requests"] = r.ops;
+                v["outstanding"] = r.left;
+                v["unposted"] = r.unposted;
+                v["outstanding_per_nic"] = r.left_per_nic;
+                py::list ps;
+                for (auto& p : r.peers) ps.append(py::bytes(p));
+                v["peers"] = ps;
+                v["imm"] = r.has_imm ? py::object(py::int_(r.imm)) : py::object(py::none());
+                v["failed_early"] = r.abandoned;
+                requests.append(v);
+            }
+            for (auto& p : e.peers) {
+                py::dict v;
+                v["address"] = py::bytes(p.address);
+                v["heard_s_ago"] = p.heard_s_ago < 0 ? py::object(py::none()) : py::object(py::float_(p.heard_s_ago));
+                v["probe_outstanding_s"] =
+                    p.probe_out_s < 0 ? py::object(py::none()) : py::object(py::float_(p.probe_out_s));
+                v["probes"] = p.probes;
+                v["lost"] = p.lost;
+                peers.append(v);
+            }
+            d["inflight_work_requests"] = e.inflight_wrs;
+            d["unposted_per_nic"] = e.unposted_per_nic;
+        }
+        d["requests"] = requests;
+        d["peers"] = peers;
+        return d;
+    }
+
+    // Idempotent and safe from several threads: a second caller (destroy() on another thread,
+    // say) waits, GIL released, until the first is done with the engine.
     void close() {
+        std::unique_lock<std::mutex> closing(close_mu_, std::defer_lock);
+        {
+            py::gil_scoped_release release;
+            closing.lock();
+        }
         if (!engine_ || closed_) return;
         closed_ = true;
         {
@@ -298,11 +380,14 @@ class PyEngine {
             if (c.status == kOk) {
                 ok.append(py::int_(c.id));
             } else {
-                failed.append(py::make_tuple(c.id, c.status, c.message));
+                failed.append(py::make_tuple(c.id, c.status, c.message, py::bytes(c.peer), c.nic));
             }
         }
         for (auto& m : b.messages) messages.append(py::bytes(m));
-        return py::make_tuple(ok, failed, py::cast(b.fired), messages);
+        py::list lost, revived;
+        for (auto& [peer, why] : b.lost) lost.append(py::make_tuple(py::bytes(peer), why));
+        for (auto& a : b.revived) revived.append(py::bytes(a));
+        return py::make_tuple(ok, failed, py::cast(b.fired), messages, lost, revived);
     }
 
     void release(Registration<Mr>& reg) {
@@ -310,8 +395,9 @@ class PyEngine {
         reg.mrs.clear();
     }
 
-    int64_t push(std::unique_ptr<Request> req) {
+    int64_t push(std::unique_ptr<Request> req, double timeout_s) {
         if (!req) return -1;
+        req->timeout_s = timeout_s;
         int64_t imms = req->has_imm ? static_cast<int64_t>(req->ops.size()) : 0;
         rotation_++;
         fast_submitted_++;
@@ -321,10 +407,12 @@ class PyEngine {
 
     // A request naming one peer (a control message, or a resolution). The push is O(1) and
     // lock-free, so the GIL stays held (releasing it costs more than the push).
-    void submit_to(uint64_t id, const py::bytes& address, const py::bytes& payload, bool resolve_only) {
+    void submit_to(uint64_t id, const py::bytes& address, const py::bytes& payload, bool resolve_only,
+                   double timeout_s) {
         check_open();
         auto req = std::make_unique<Request>();
         req->id = id;
+        req->timeout_s = timeout_s;
         req->send_to = address;
         req->payload = payload;
         req->resolve_only = resolve_only;
@@ -339,6 +427,7 @@ class PyEngine {
     std::shared_ptr<CounterTable> counters_ = std::make_shared<CounterTable>();
     std::unique_ptr<Engine<Domain>> engine_;
     std::mutex mu_;
+    std::mutex close_mu_;
     std::unordered_map<uint64_t, Registration<Mr>> regs_;
     uint64_t next_handle_ = 1;
     bool closed_ = false;
@@ -357,8 +446,9 @@ void bind_engine(py::class_<Cls, Options...>& c) {
         .def("deregister", &Cls::deregister, py::arg("handle"))
         .def("submit_write", &Cls::submit_write, py::arg("id"), py::arg("src_handle"), py::arg("src_base"),
              py::arg("nic"), py::arg("target"), py::arg("src_off"), py::arg("dst_off"), py::arg("length"),
-             py::arg("imm"), py::arg("targets"))
-        .def("submit_send", &Cls::submit_send, py::arg("id"), py::arg("address"), py::arg("payload"))
+             py::arg("imm"), py::arg("targets"), py::arg("timeout_s") = -1.0)
+        .def("submit_send", &Cls::submit_send, py::arg("id"), py::arg("address"), py::arg("payload"),
+             py::arg("timeout_s") = -1.0)
         .def("check_peer", &Cls::check_peer, py::arg("id"), py::arg("address"))
         .def("wait_batch", &Cls::wait_batch, py::arg("timeout_s"))
         .def("drain", &Cls::drain, py::arg("timeout_s"))
@@ -366,14 +456,22 @@ void bind_engine(py::class_<Cls, Options...>& c) {
              py::arg("shard_peers"), py::arg("descriptor"), py::arg("guarded"))
         .def("bind_region", &Cls::bind_region, py::arg("token"), py::arg("region_handle"), py::arg("region"))
         .def("fast_write", &Cls::fast_write, py::arg("id"), py::arg("src"), py::arg("src_offset"),
-             py::arg("length"), py::arg("dst"), py::arg("dst_offset"), py::arg("imm"), py::arg("routing"))
+             py::arg("length"), py::arg("dst"), py::arg("dst_offset"), py::arg("imm"), py::arg("routing"),
+             py::arg("timeout_s") = -1.0)
         .def("fast_paged", &Cls::fast_paged, py::arg("id"), py::arg("src"), py::arg("src_pages"),
              py::arg("src_stride"), py::arg("dst"), py::arg("dst_pages"), py::arg("dst_stride"), py::arg("page_length"),
-             py::arg("src_offset"), py::arg("dst_offset"), py::arg("imm"), py::arg("routing"))
-        .def("fast_imm", &Cls::fast_imm, py::arg("id"), py::arg("dst"), py::arg("imm"), py::arg("routing"))
+             py::arg("src_offset"), py::arg("dst_offset"), py::arg("imm"), py::arg("routing"),
+             py::arg("timeout_s") = -1.0)
+        .def("fast_imm", &Cls::fast_imm, py::arg("id"), py::arg("dst"), py::arg("imm"), py::arg("routing"),
+             py::arg("timeout_s") = -1.0)
         .def("fast_submitted", &Cls::fast_submitted)
         .def("plan_only", &Cls::plan_only, py::arg("kind"), py::arg("args"), py::arg("rotation"))
         .def("stats", &Cls::stats)
+        .def("configure_liveness", &Cls::configure_liveness, py::arg("interval_s"), py::arg("timeout_s"),
+             py::arg("transfer_timeout_s"))
+        .def("dump_state", &Cls::dump_state)
+        .def("probe_peer", &Cls::probe_peer, py::arg("address"))
+        .def("fence", &Cls::fence, py::arg("addresses"), py::arg("timeout_s"))
         .def("close", &Cls::close)
         .def("destroy", &Cls::destroy);
 }

@@ -1,0 +1,253 @@
+"""The failure contract across hosts (docs/concepts/failures.md): engines in network-namespace
+hosts on tcp;ofi_rxm, killed, stopped, cut off and restarted. Every statement is checked on
+both sides where there are two, within the liveness settings' bound, and nothing may hang.
+
+Skipped with the reason where the lab cannot run (not root, no iproute2 or nftables).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fabric_core.errors import FabricError, PeerUnreachable, TransferTimeout, TransportError
+from fabric_core.testing.netns import NetnsLab
+from fabric_core.testing.remote import RemoteEngine, WorkerPool
+from fabric_core.transfer import Transfer
+
+MiB = 1 << 20
+LIVE: dict[str, Any] = {"liveness_interval_s": 0.2, "liveness_timeout_s": 1.0, "timeout_s": 30.0}
+DETECT = 0.2 + 1.0 + 2.5  # the liveness bound, with slack for this 2-core machine
+STUCK = 32 * MiB  # cannot complete while its target is stopped or cut off
+
+
+pytestmark = pytest.mark.netns  # skipped with the reason where the lab cannot run (conftest)
+
+
+class Hosts:
+    def __init__(self, n: int) -> None:
+        self.lab = NetnsLab(hosts=n, tag="fail")
+        self.pool = WorkerPool(workers=0, arena_bytes=1 << 28)
+        self.engines: list[RemoteEngine] = []
+
+    def engine(self, host: int, **settings: Any) -> RemoteEngine:
+        engine = self.lab.engine(self.pool, host, **{**LIVE, **settings})
+        self.engines.append(engine)
+        return engine
+
+    def data(self, nbytes: int, seed: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        buf = self.pool.alloc(nbytes)
+        buf[:] = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+        return buf
+
+    def close(self) -> None:
+        try:
+            for worker in self.pool.workers:
+                if worker.proc.poll() is None:
+                    worker.proc.send_signal(signal.SIGCONT)  # never leave one stopped
+            for engine in self.engines:
+                with contextlib.suppress(FabricError, TimeoutError):
+                    engine.close(timeout=2.0)
+            self.pool.close()
+        finally:
+            self.lab.close()
+
+
+@contextlib.contextmanager
+def hosts(n: int) -> Iterator[Hosts]:
+    h = Hosts(n)
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+def _ends(transfer: Transfer, bound: float) -> tuple[BaseException | None, float]:
+    """The transfer's outcome and how long it took to end; fails the test past ``bound``."""
+    started = time.monotonic()
+    try:
+        transfer.wait(timeout=bound)
+    except TransferTimeout:
+        if not transfer.done():
+            pytest.fail(f"transfer {transfer.id} still running {bound:g} s after the fault")
+    except FabricError:
+        pass
+    return transfer.exception(0), time.monotonic() - started
+
+
+def _waiter(fn: Callable[[], None]) -> tuple[threading.Thread, list[BaseException], list[float]]:
+    errors: list[BaseException] = []
+    took: list[float] = []
+
+    def run() -> None:
+        started = time.monotonic()
+        try:
+            fn()
+        except BaseException as exc:
+            errors.append(exc)
+        took.append(time.monotonic() - started)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th, errors, took
+
+
+def _exactly(engine: RemoteEngine, imm: int, n: int) -> None:
+    counter = engine.counter(imm)
+    counter.wait(n, timeout=10)
+    time.sleep(0.1)
+    assert counter.value == 0
+
+
+def test_killed_target_fails_the_senders_transfers_within_the_liveness_bound() -> None:
+    with hosts(2) as h:
+        a, b = h.engine(0), h.engine(1)
+        src, dst = h.data(4 * MiB, 1), h.pool.alloc(4 * MiB)
+        mr, desc = a.register(src), b.register(dst).descriptor
+        a.submit_write(mr, 0, 4096, desc, 0).wait(10)
+        inflight = [a.submit_write(mr, 0, 4 * MiB, desc, 0, imm=1) for _ in range(4)]
+        h.lab.kill(1)
+        for t in inflight:
+            exc, _took = _ends(t, DETECT)
+            assert exc is None or isinstance(exc, PeerUnreachable), repr(exc)
+        late = a.submit_write(mr, 0, 4096, desc, 0, imm=1)
+        exc, _took = _ends(late, DETECT)
+        assert isinstance(exc, PeerUnreachable), repr(exc)
+        assert exc.peer == b.address.raw.hex()
+
+
+def test_killed_sender_fails_the_targets_waits_that_name_it() -> None:
+    with hosts(2) as h:
+        a, b = h.engine(0), h.engine(1)
+        mr, desc = a.register(h.data(4096, 2)), b.register(h.pool.alloc(4096)).descriptor
+        a.submit_imm(desc, 2).wait(10)
+        b.counter(2).wait(1, timeout=10, peer=a.address)
+        th, errors, took = _waiter(lambda: b.counter(3).wait(1, timeout=20, peer=a.address))
+        time.sleep(0.1)
+        h.lab.kill(0)
+        th.join(DETECT + 1)
+        assert not th.is_alive() and errors, "the target's wait outlived its dead sender"
+        assert isinstance(errors[0], PeerUnreachable), repr(errors[0])
+        assert took[0] < DETECT + 0.1
+        del mr
+
+
+def test_stopped_target_is_lost_then_reachable_after_it_resumes() -> None:
+    with hosts(2) as h:
+        a, b = h.engine(0), h.engine(1)
+        src, dst = h.data(STUCK, 3), h.pool.alloc(STUCK)
+        mr, desc = a.register(src), b.register(dst).descriptor
+        a.submit_write(mr, 0, 4096, desc, 0).wait(10)
+        h.lab.stop(1)
+        try:
+            exc, _took = _ends(a.submit_write(mr, 0, STUCK, desc, 0, imm=4), DETECT)
+        finally:
+            h.lab.cont(1)
+        assert isinstance(exc, PeerUnreachable), repr(exc)
+        t = a.submit_write(mr, 0, MiB, desc, 0, imm=5)
+        assert _ends(t, 20)[0] is None
+        _exactly(b, 5, t.imms_at_target)
+        assert np.array_equal(dst[:MiB], src[:MiB])
+
+
+@pytest.mark.parametrize("fault", ["link_down", "blackhole"])
+def test_cut_off_peer_fails_both_sides_and_is_reachable_once_back(fault: str) -> None:
+    with hosts(2) as h:
+        a, b = h.engine(0), h.engine(1)
+        src, dst = h.data(STUCK, 4), h.pool.alloc(STUCK)
+        mr, desc = a.register(src), b.register(dst).descriptor
+        a.submit_write(mr, 0, 4096, desc, 0).wait(10)
+        th, errors, _took = _waiter(lambda: b.counter(6).wait(1, timeout=20, peer=a.address))
+        time.sleep(0.1)
+        cut, heal = h.lab.link_down, h.lab.link_up
+        if fault == "blackhole":
+            cut, heal = h.lab.blackhole, h.lab.unblackhole
+        cut(1)
+        try:
+            exc, _took = _ends(a.submit_write(mr, 0, STUCK, desc, 0, imm=7), DETECT)
+            th.join(DETECT + 1)
+        finally:
+            heal(1)
+        assert isinstance(exc, PeerUnreachable), repr(exc)  # the sender's side
+        assert not th.is_alive() and errors and isinstance(errors[0], PeerUnreachable), errors  # the target's
+        t = a.submit_write(mr, 0, MiB, desc, 0, imm=8)
+        assert _ends(t, 20)[0] is None
+        _exactly(b, 8, t.imms_at_target)
+        deadline = time.monotonic() + 10
+        while True:  # the target's waits naming the sender go through once it is heard from
+            a.submit_imm(desc, 9).wait(10)
+            try:
+                b.counter(9).wait(1, timeout=2, peer=a.address)
+                break
+            except PeerUnreachable:
+                assert time.monotonic() < deadline, "the target never took the sender back"
+                time.sleep(0.1)
+
+
+def test_restarted_peer_at_the_same_address_is_reachable_again() -> None:
+    with hosts(2) as h:
+        h.lab.env[1] = {"FI_TCP_PORT_LOW_RANGE": "47123", "FI_TCP_PORT_HIGH_RANGE": "47123"}
+        a, b = h.engine(0), h.engine(1)
+        src = h.data(MiB, 5)
+        mr = a.register(src)
+        desc = b.register(h.pool.alloc(MiB)).descriptor
+        a.submit_write(mr, 0, 4096, desc, 0).wait(10)
+        old_address = b.address
+        h.lab.kill(1)
+        exc, _took = _ends(a.submit_write(mr, 0, MiB, desc, 0, imm=10), DETECT)
+        assert isinstance(exc, PeerUnreachable), repr(exc)
+        h.lab.restart(1)
+        b2 = h.engine(1)
+        assert b2.address == old_address  # the same host and port: a new process behind it
+        dst2 = h.pool.alloc(MiB)
+        t = a.submit_write(mr, 0, MiB, b2.register(dst2).descriptor, 0, imm=11)
+        assert _ends(t, 20)[0] is None
+        _exactly(b2, 11, t.imms_at_target)
+        assert np.array_equal(dst2, src)
+
+
+def test_slow_link_is_not_mistaken_for_a_dead_peer() -> None:
+    with hosts(2) as h:
+        # (work requests of 256 KiB: each one completed is a sign of life; a probe queued behind
+        # one tcp stream's megabytes may take longer than the probe timeout to get through)
+        a, b = h.engine(0, max_msg_size=256 << 10), h.engine(1)
+        src, dst = h.data(8 * MiB, 6), h.pool.alloc(8 * MiB)
+        mr, desc = a.register(src), b.register(dst).descriptor
+        h.lab.rate_limit(0, 40)  # 8 MiB at 40 Mbit/s: about 1.7 s, longer than the probe timeout
+        started = time.monotonic()
+        t = a.submit_write(mr, 0, 8 * MiB, desc, 0, imm=12)
+        exc, _took = _ends(t, 30)
+        assert exc is None, repr(exc)
+        assert time.monotonic() - started > 1.2
+        _exactly(b, 12, t.imms_at_target)
+        assert np.array_equal(dst, src)
+
+
+def test_no_late_write_lands_after_the_target_rekeys_across_hosts() -> None:
+    with hosts(2) as h:
+        a, b = h.engine(0, max_msg_size=64 << 10), h.engine(1)
+        size = 4 * MiB
+        src, dst = h.data(size, 7), h.pool.alloc(size)
+        mr, region = a.register(src), b.register(dst)
+        a.submit_write(mr, 0, 4096, region.descriptor, 0).wait(10)
+        h.lab.rate_limit(0, 16)  # 4 MiB at 16 Mbit/s: about 2 s of writes in flight
+        t = a.submit_write(mr, 0, size, region.descriptor, 0, imm=13, timeout=20)
+        time.sleep(0.5)
+        fresh = b.rekey(region)  # the target gives up on the writer: its old keys are dead
+        b.fence([a.address], timeout=10)  # ... and what the writer had under way is done with
+        dst[:] = 0x5A  # ... so the memory may be reused
+        exc, _took = _ends(t, 25)
+        assert exc is None or isinstance(exc, TransportError), repr(exc)
+        time.sleep(0.5)
+        assert (dst == 0x5A).all(), f"{int((dst != 0x5A).sum())} bytes landed after the fence"
+        h.lab.rate_limit(0, None)
+        t2 = a.submit_write(mr, 0, 4096, fresh.descriptor, 0, imm=14)
+        assert _ends(t2, 20)[0] is None
+        assert np.array_equal(dst[:4096], src[:4096])
