@@ -16,6 +16,7 @@ from .errors import (
     FabricError,
     PeerUnreachable,
     RemoteAccessError,
+    TransferCancelled,
     TransferTimeout,
     TransportError,
 )
@@ -104,6 +105,7 @@ __all__ = [
     "TopologyGroup",
     "Transfer",
     "TransferEngine",
+    "TransferCancelled",
     "TransferTimeout",
     "TransportError",
     "WriteRequest",

@@ -19,7 +19,14 @@ from typing import Any
 from . import diagnostics
 from .api import EngineStats, TransferEngine
 from .counters import CounterTable, ImmCounter
-from .errors import CapabilityError, ConfigError, EngineClosed, PeerUnreachable, TransferTimeout
+from .errors import (
+    CapabilityError,
+    ConfigError,
+    EngineClosed,
+    PeerUnreachable,
+    TransferCancelled,
+    TransferTimeout,
+)
 from .memory import MemorySpan, memory_span
 from .models import Capabilities, DomainAddress, DomainInfo, MemoryRegion, MemoryRegionDescriptor, NicKey
 from .ops import Message, PeerGroup, Plan, Request, plan_request
@@ -98,6 +105,31 @@ class EngineBase(TransferEngine):
     @abstractmethod
     def _backend_send(self, peer: DomainAddress, payload: bytes, transfer: Transfer, timeout: float) -> None:
         """Send ``payload``; ``timeout`` as for ``_backend_post``."""
+
+    def _backend_cancel(self, transfer: Transfer) -> tuple[bool, list[bytes]]:
+        """Stop ``transfer`` posting more work requests; whether it was running, and the peers
+        it was writing to (``_cancel`` fences them unless the backend needs none: return no
+        peers then)."""
+        return False, []
+
+    def _cancel(self, transfer: Transfer, timeout: float | None) -> bool:
+        """``Transfer.cancel``: stop it, fail it with ``TransferCancelled``, fence its peers."""
+        limit = self._deadline(timeout)
+        running, peers = self._backend_cancel(transfer)
+        if not running:
+            return False
+        if transfer._resolve(TransferCancelled(f"transfer {transfer.id} cancelled", transfer_id=transfer.id)):
+            with self._lock:
+                self._stat_failed += 1
+        left = self._backend_fence(peers, limit) if peers else []
+        if left:
+            raise PeerUnreachable(
+                f"transfer {transfer.id} cancelled, but {len(left)} target(s) did not confirm within "
+                f"{limit:g} s that nothing more of it can land: {', '.join(a.hex() for a in left)}",
+                peer=left[0].hex(),
+                transfer_id=transfer.id,
+            )
+        return True
 
     def _backend_fence(self, peers: list[bytes], timeout: float) -> list[bytes]:
         """Wait (``fence``) for every write of ``peers`` posted before the call to be processed;
@@ -238,6 +270,7 @@ class EngineBase(TransferEngine):
             raise ConfigError("the peer group was not made by this engine")
         plan = plan_request(request, self._nics, self._max_msg, self._rotation)
         transfer = Transfer(plan.imms_per_target, dispatcher=self._dispatch, default_timeout=self._timeout)
+        transfer._cancel = self._cancel
         with self._lock:
             self._rotation += 1
             self._stat_submitted += 1
@@ -278,6 +311,7 @@ class EngineBase(TransferEngine):
                 "move bulk data with a one-sided write"
             )
         transfer = Transfer((0,), dispatcher=self._dispatch, default_timeout=self._timeout)
+        transfer._cancel = self._cancel
         with self._lock:
             self._stat_submitted += 1
         self._backend_send(peer, payload, transfer, limit)

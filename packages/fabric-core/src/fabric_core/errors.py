@@ -21,6 +21,7 @@ __all__ = [
     "FabricError",
     "PeerUnreachable",
     "RemoteAccessError",
+    "TransferCancelled",
     "TransferTimeout",
     "TransportError",
 ]
@@ -138,3 +139,7 @@ class TransferTimeout(TransportError, TimeoutError):
             )
             message = f"{message} ({dump})"
         super().__init__(message, peer=peer, nic=nic, transfer_id=transfer_id)
+
+
+class TransferCancelled(TransportError):
+    """The transfer was cancelled (``Transfer.cancel``) before it completed."""

@@ -30,6 +30,7 @@ from .errors import (
     FabricError,
     PeerUnreachable,
     RemoteAccessError,
+    TransferCancelled,
     TransferTimeout,
     TransportError,
 )
@@ -69,6 +70,7 @@ _STATUS: dict[int, type[TransportError]] = {
     2: RemoteAccessError,
     3: TransportError,
     5: TransferTimeout,
+    6: TransferCancelled,
 }
 _CLOSED = 4
 _DRAIN_S = 0.002  # how long a waiter drains completions itself before sleeping on its event
@@ -131,6 +133,7 @@ class NativeEngine(EngineBase):
         """A transfer entered in the in-flight table (one dict store: atomic under the GIL)."""
         transfer = Transfer(_NO_IMMS, dispatcher=self._dispatch, default_timeout=self._timeout)
         transfer._drain = self._drain_wait
+        transfer._cancel = self._cancel
         self._inflight[transfer.id] = transfer
         return transfer
 
@@ -360,6 +363,12 @@ class NativeEngine(EngineBase):
         transfer._drain = self._drain_wait
         self._inflight[transfer.id] = transfer
         self._core.submit_send(transfer.id, peer.raw, self._header + payload, timeout)
+
+    def _backend_cancel(self, transfer: Transfer) -> tuple[bool, list[bytes]]:
+        running, peers = self._core.cancel(transfer.id)
+        if running:
+            self._inflight.pop(transfer.id, None)  # resolved by _cancel; C++'s own report is moot
+        return running, peers
 
     def _backend_fence(self, peers: list[bytes], timeout: float) -> list[bytes]:
         return self._core.fence(peers, timeout) if peers else []

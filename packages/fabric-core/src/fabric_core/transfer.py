@@ -78,6 +78,7 @@ class Transfer:
 
     __slots__ = (
         "_callbacks",
+        "_cancel",
         "_default_timeout",
         "_dispatch",
         "_done",
@@ -108,6 +109,8 @@ class Transfer:
         # A backend may let a waiter run its completions itself: _drain(transfer, deadline)
         # returns once the transfer is done or it gives up (the event wait then takes over).
         self._drain: Callable[[Transfer, float], None] | None = None
+        # The engine's: cancel(transfer, timeout) -> whether it stopped a running transfer.
+        self._cancel: Callable[[Transfer, float | None], bool] | None = None
 
     @property
     def imms_at_target(self) -> int:
@@ -147,6 +150,20 @@ class Transfer:
         """The error the transfer failed with (None on success); waits like ``wait``."""
         self._wait_done(timeout)
         return self._exc
+
+    def cancel(self, timeout: float | None = None) -> bool:
+        """Stop the transfer: no more of its work requests is posted, it fails with
+        ``TransferCancelled``, and once this returns none of its bytes can land any more.
+
+        Work requests already posted are fenced: their targets are asked to confirm that they
+        have processed everything this engine sent them before (``TransferEngine.fence`` in
+        the other direction). Returns True if it stopped a running transfer, False if it had
+        already ended. A target that does not confirm within ``timeout`` (the engine default
+        if None) raises ``PeerUnreachable``: some bytes may then still land there.
+        """
+        if self._done or self._cancel is None:
+            return False
+        return self._cancel(self, timeout)
 
     def on_done(self, callback: DoneCallback) -> Transfer:
         """Call ``callback(transfer)`` once it succeeds (at once, here, if it already has)."""

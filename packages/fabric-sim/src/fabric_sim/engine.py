@@ -100,6 +100,15 @@ class SimEngine(EngineBase):
     def _backend_send(self, peer: DomainAddress, payload: bytes, transfer: Transfer, timeout: float) -> None:
         self._fabric.post_message(self, peer, payload, transfer, timeout)
 
+    def _backend_cancel(self, transfer: Transfer) -> tuple[bool, list[bytes]]:
+        with self._fabric._cv:
+            xfer = next((x for x in self._inflight if x.transfer is transfer), None)
+            if xfer is None or xfer.early:
+                return False, []
+            self._inflight.discard(xfer)
+            xfer.left = -1  # its pending chunks and imms become no-ops: nothing of it lands now
+        return True, []  # so no fence is needed
+
     def _dump_core(self) -> dict[str, Any]:
         now = time.monotonic()
         with self._fabric._cv:

@@ -30,7 +30,7 @@ from ..registry import open_engine
 from ..transfer import Transfer
 from .remote import dump_error
 
-_BLOCKING = frozenset({"counter_wait", "recv", "close", "fence"})
+_BLOCKING = frozenset({"counter_wait", "recv", "close", "fence", "cancel"})
 
 
 class _Unpickler(pickle.Unpickler):
@@ -50,6 +50,7 @@ class _Worker:
         self.regions: dict[int, tuple[int, MemoryRegion]] = {}  # handle -> (engine id, region)
         self.groups: dict[int, tuple[int, PeerGroup]] = {}
         self.expects: dict[tuple[int, int], Expectation] = {}
+        self.transfers: dict[int, Transfer] = {}  # running, by id (for cancel)
         self.stand_ins = itertools.count(-1, -1)
 
     # wire ------------------------------------------------------------------------------
@@ -166,9 +167,18 @@ class _Worker:
 
     def _track(self, eid: int, transfer: Transfer) -> tuple[int, tuple[int, ...]]:
         tid = transfer.id
-        transfer.on_done(lambda _t: self.send(("xfer", eid, tid, None)))
-        transfer.on_error(lambda _t, exc: self.send(("xfer", eid, tid, dump_error(exc))))
+        self.transfers[tid] = transfer
+        transfer.on_done(lambda _t: self._ended(eid, tid, None))
+        transfer.on_error(lambda _t, exc: self._ended(eid, tid, dump_error(exc)))
         return tid, transfer.imms_per_target
+
+    def _ended(self, eid: int, tid: int, error: bytes | None) -> None:
+        self.transfers.pop(tid, None)
+        self.send(("xfer", eid, tid, error))
+
+    def m_cancel(self, eid: int, tid: int, timeout: float | None) -> bool:
+        transfer = self.transfers.get(tid)
+        return transfer.cancel(timeout) if transfer is not None else False
 
     def m_submit(self, eid: int, request: Any, timeout: float | None = None) -> tuple[int, tuple[int, ...]]:
         return self._track(eid, self.engines[eid].submit(request, timeout=timeout))

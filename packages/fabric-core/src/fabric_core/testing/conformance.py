@@ -26,6 +26,7 @@ from ..errors import (
     EngineClosed,
     PeerUnreachable,
     RemoteAccessError,
+    TransferCancelled,
     TransferTimeout,
     TransportError,
 )
@@ -1068,6 +1069,50 @@ class FailureConformance(_Base):
         t2.wait(T)
         p.b.counter(10).wait(t2.imms_at_target, timeout=T)
         assert np.array_equal(p.dst[:4096], p.src[:4096]) and (p.dst[4096:] == 0x5A).all()
+
+    @_FEW_SEEDS
+    def test_cancel_stops_a_transfer_and_nothing_of_it_lands_afterwards(self, h: Harness) -> None:
+        p = _pair(h, size=STUCK, max_msg_size=1 << 16)
+        with h.hold():  # (where the harness can: everything still to deliver when cancelled)
+            t = p.a.submit_write(p.src_mr, 0, STUCK, p.desc, 0, imm=15, timeout=T)
+            cancelled = t.cancel(timeout=T)
+            landed, counted = p.dst.copy(), p.b.counter(15).value
+        if cancelled:
+            assert t.done() and isinstance(t.exception(0), TransferCancelled)
+        else:  # it had finished first (a fast transport): cancelling changes nothing
+            assert t.exception(T) is None
+        h.settle()
+        time.sleep(0.2)
+        assert np.array_equal(p.dst, landed), "bytes of a cancelled transfer landed after cancel()"
+        assert p.b.counter(15).value == counted <= t.imms_at_target
+        assert t.cancel() is False  # once ended, there is nothing to cancel
+        again = p.a.submit_write(p.src_mr, 0, 4096, p.desc, 0, imm=16, timeout=T)  # engine usable
+        again.wait(T)
+        p.b.counter(16).wait(again.imms_at_target, timeout=T)
+
+    @_FEW_SEEDS
+    def test_cancel_toward_a_silent_target_cannot_be_confirmed(self, h: Harness) -> None:
+        _stalls(h)
+        p = _pair(h, size=STUCK, liveness_interval_s=0)
+        h.stall_peer(p.b)
+        try:
+            t = p.a.submit_write(p.src_mr, 0, STUCK, p.desc, 0, imm=17, timeout=T)
+            try:
+                # where bytes already sent can still arrive (tcp), a stopped target cannot
+                # confirm the fence; where the transport holds them itself (the simulator),
+                # cancelling drops them and needs no confirmation
+                assert t.cancel(timeout=0.3) is True
+                confirmed = True
+            except PeerUnreachable:
+                confirmed = False
+            assert t.done() and isinstance(t.exception(0), TransferCancelled)
+        finally:
+            h.resume_peer(p.b)
+        if confirmed:
+            landed = p.dst.copy()
+            h.settle()
+            time.sleep(0.2)
+            assert np.array_equal(p.dst, landed)
 
     @_FEW_SEEDS
     def test_dump_state_shows_what_is_outstanding(self, h: Harness) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import io
 import itertools
 import math
@@ -41,7 +42,7 @@ import numpy as np
 
 from ..api import EngineStats, TransferEngine
 from ..counters import Expectation, ImmCounter, check_imm
-from ..errors import ConfigError, EngineClosed, FabricError, PeerUnreachable
+from ..errors import ConfigError, EngineClosed, FabricError, PeerUnreachable, TransferCancelled
 from ..memory import memory_span
 from ..models import Capabilities, DomainAddress, DomainInfo, MemoryRegion, MemoryRegionDescriptor
 from ..ops import Message, PeerGroup, Request
@@ -486,6 +487,7 @@ class RemoteEngine(TransferEngine):
     def _track(self, reply: tuple[int, tuple[int, ...]]) -> Transfer:
         tid, per_target = reply
         transfer = Transfer(per_target, dispatcher=self._dispatch, default_timeout=self._timeout)
+        transfer._cancel = functools.partial(self._cancel_remote, tid)
         with self._lock:
             if tid in self._early:
                 early = self._early.pop(tid)
@@ -498,6 +500,14 @@ class RemoteEngine(TransferEngine):
     def submit(self, request: Request, *, timeout: float | None = None) -> Transfer:
         self._check_open()
         return self._track(self._call("submit", request, timeout))
+
+    def _cancel_remote(self, tid: int, transfer: Transfer, timeout: float | None) -> bool:
+        running: bool = self._call("cancel", tid, timeout, limit=self._bound(timeout))
+        if running:
+            with self._lock:
+                self._transfers.pop(tid, None)
+            transfer._resolve(TransferCancelled(f"transfer {transfer.id} cancelled", transfer_id=transfer.id))
+        return running
 
     def peer_group(self, peers: Sequence[DomainAddress | MemoryRegionDescriptor]) -> PeerGroup:
         self._check_open()

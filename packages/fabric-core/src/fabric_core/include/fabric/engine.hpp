@@ -87,6 +87,7 @@ enum Status : int32_t {
     kTransport = 3,
     kClosed = 4,
     kTimeout = 5,
+    kCancelled = 6,
 };
 
 using Clock = std::chrono::steady_clock;
@@ -394,6 +395,29 @@ class Engine {
         probe_interval_ = interval_s > 0 ? to_duration(interval_s) : Clock::duration::max();
         probe_timeout_ = to_duration(timeout_s);
         default_timeout_s_ = transfer_timeout_s;
+    }
+
+    // Cancels request ``id``: it completes now with kCancelled and none of its queued work
+    // requests is posted (those posted are reaped as the provider reports them). Returns
+    // whether it was still running, and the peers (NIC 0 addresses) it was writing to: the
+    // caller fences them (fence()) to know that nothing of it can land any more. Any thread.
+    bool cancel(uint64_t id, std::vector<std::string>& peers) {
+        std::lock_guard<std::mutex> lock(progress_mu_);
+        now_ = Clock::now();
+        intake();  // it may still be in the submission queue
+        auto it = live_.find(id);
+        if (it == live_.end() || it->second->abandoned) return false;
+        Request& r = *it->second;
+        if (!r.send_to.empty()) {
+            peers.push_back(r.send_to);
+        } else {
+            for (const auto& t : r.targets)
+                if (!t->addresses.empty() && std::find(peers.begin(), peers.end(), t->addresses[0]) == peers.end())
+                    peers.push_back(t->addresses[0]);
+        }
+        abandon(r, kCancelled, "cancelled");
+        publish();
+        return true;
     }
 
     // Waits until each peer (NIC 0 address) has answered a probe sent now: its answer travels

@@ -276,6 +276,18 @@ class PyEngine {
         return d;
     }
 
+    // See Engine::cancel: (whether it was running, the peers it was writing to).
+    std::pair<bool, std::vector<py::bytes>> cancel(uint64_t id) {
+        if (!engine_ || closed_) return {false, {}};
+        std::vector<std::string> peers;
+        bool running;
+        {
+            py::gil_scoped_release release;
+            running = engine_->cancel(id, peers);
+        }
+        return {running, std::vector<py::bytes>(peers.begin(), peers.end())};
+    }
+
     // See Engine::fence: the peers that did not answer in time.
     std::vector<py::bytes> fence(const std::vector<py::bytes>& addresses, double timeout_s) {
         check_open();
@@ -472,6 +484,7 @@ void bind_engine(py::class_<Cls, Options...>& c) {
         .def("dump_state", &Cls::dump_state)
         .def("probe_peer", &Cls::probe_peer, py::arg("address"))
         .def("fence", &Cls::fence, py::arg("addresses"), py::arg("timeout_s"))
+        .def("cancel", &Cls::cancel, py::arg("id"))
         .def("close", &Cls::close)
         .def("destroy", &Cls::destroy);
 }
