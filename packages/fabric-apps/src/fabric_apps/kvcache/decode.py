@@ -557,9 +557,18 @@ class KvDecoder:
             if not done.exact:
                 self._reclaim_unknown(req)
                 return
-            # Every write of the request completed at the prefill: its bytes are in place and
-            # nothing more will be written, so the pages are free; the imms those writes carry
-            # are counted down before the value is reused.
+            # Every write of the request completed at the prefill and nothing more will be
+            # written. A completion at the writer does not always mean the bytes are here
+            # (tcp completes a write once the kernel has it): fence the prefill, whose answer
+            # travels behind them, before the pages go back (docs/concepts/failures.md).
+            try:
+                self.engine.fence([peer.address], timeout=self.settle_timeout_s)
+            except FabricError as exc:
+                logger.warning("kvcache: fence of %s for request %d failed: %s", peer.address, req.seq, exc)
+                self._reclaim_unknown(req)
+                return
+            # The pages are free; the imms those writes carry are counted down before the
+            # value is reused.
             self._free_pages_locked(req)
             if done.imms_sent == 0:
                 self._finish_locked(req, free_pages=False, imm="release")
