@@ -255,7 +255,13 @@ class Engine {
         counters_->set_progress([this] { return help(); });
     }
 
-    ~Engine() { close(); }
+    // The domains go first: a provider may still hold the contexts of work requests that never
+    // completed (FI_CONTEXT2: its own bookkeeping lives in them), inside requests of live_ and
+    // probe_ctx_, so those must outlive every fi_close.
+    ~Engine() {
+        close();
+        nics_.clear();
+    }
 
     Engine(const Engine&) = delete;
     Engine& operator=(const Engine&) = delete;
@@ -1154,9 +1160,12 @@ class Engine {
             poll_all();
         }
         for (auto& q : pending_) q.clear();
-        for (auto& [id, r] : live_)
+        for (auto& [id, r] : live_) {
             if (!r->abandoned) ready_.push_back(Completion{id, kClosed, "engine closed with this transfer in flight"});
-        live_.clear();
+            r->abandoned = true;
+        }
+        // (live_ keeps the requests: the provider may still hold their contexts until the
+        // domains close, in ~Engine)
         inflight_ = 0;
         publish();
     }
