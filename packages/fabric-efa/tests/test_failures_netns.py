@@ -251,3 +251,26 @@ def test_no_late_write_lands_after_the_target_rekeys_across_hosts() -> None:
         t2 = a.submit_write(mr, 0, 4096, fresh.descriptor, 0, imm=14)
         assert _ends(t2, 20)[0] is None
         assert np.array_equal(dst[:4096], src[:4096])
+
+
+def test_a_dead_peer_costs_the_survivors_no_counts() -> None:
+    with hosts(3) as h:
+        a, b, c = h.engine(0), h.engine(1), h.engine(2)
+        src = h.data(4 * MiB, 8)
+        mr = a.register(src)
+        dst_b, dst_c = h.pool.alloc(4 * MiB), h.pool.alloc(4 * MiB)
+        desc_b, desc_c = b.register(dst_b).descriptor, c.register(dst_c).descriptor
+        a.submit_write(mr, 0, 4096, desc_c, 0).wait(10)
+        to_c = [a.submit_write(mr, 0, 4 * MiB, desc_c, 0, imm=20) for _ in range(4)]
+        to_b = [a.submit_write(mr, 0, 4 * MiB, desc_b, 0, imm=20) for _ in range(4)]
+        h.lab.kill(2)
+        for t in to_c:
+            exc, _took = _ends(t, DETECT)
+            assert exc is None or isinstance(exc, PeerUnreachable), repr(exc)
+        for t in to_b:
+            assert _ends(t, 20)[0] is None
+        _exactly(b, 20, sum(t.imms_at_target for t in to_b))
+        assert np.array_equal(dst_b, src)
+        late = a.submit_write(mr, 0, 4096, desc_b, 0, imm=21)  # and later traffic to b flows
+        assert _ends(late, 20)[0] is None
+        _exactly(b, 21, late.imms_at_target)
