@@ -78,6 +78,7 @@ class EngineBase(TransferEngine):
         self._stat_submitted = self._stat_completed = self._stat_failed = 0
         self._stat_wrs = self._stat_bytes = 0
         self._dispatch = CallbackDispatcher(thread_name)
+        self._cancel_hook = self._cancel  # bound once: every transfer carries it
         self._counters = self._new_counter_table()
         diagnostics.track(self)
 
@@ -270,7 +271,7 @@ class EngineBase(TransferEngine):
             raise ConfigError("the peer group was not made by this engine")
         plan = plan_request(request, self._nics, self._max_msg, self._rotation)
         transfer = Transfer(plan.imms_per_target, dispatcher=self._dispatch, default_timeout=self._timeout)
-        transfer._cancel = self._cancel
+        transfer._cancel = self._cancel_hook
         with self._lock:
             self._rotation += 1
             self._stat_submitted += 1
@@ -311,7 +312,7 @@ class EngineBase(TransferEngine):
                 "move bulk data with a one-sided write"
             )
         transfer = Transfer((0,), dispatcher=self._dispatch, default_timeout=self._timeout)
-        transfer._cancel = self._cancel
+        transfer._cancel = self._cancel_hook
         with self._lock:
             self._stat_submitted += 1
         self._backend_send(peer, payload, transfer, limit)

@@ -100,6 +100,7 @@ class NativeEngine(EngineBase):
         self._where = where or capabilities.backend
         addresses = [DomainAddress(raw=a) for a in core.addresses()]
         self._inflight: dict[int, Transfer] = {}
+        self._drain_hook = self._drain_wait  # bound once: every transfer carries it
         self._specs: dict[int, tuple[MemoryRegionDescriptor, tuple[list[bytes], list[int], int]]] = {}
         n = next(_completers)
         super().__init__(settings, capabilities, addresses, domains, f"fabric-{capabilities.backend}-cb-{n}")
@@ -132,8 +133,8 @@ class NativeEngine(EngineBase):
     def _new(self) -> Transfer:
         """A transfer entered in the in-flight table (one dict store: atomic under the GIL)."""
         transfer = Transfer(_NO_IMMS, dispatcher=self._dispatch, default_timeout=self._timeout)
-        transfer._drain = self._drain_wait
-        transfer._cancel = self._cancel
+        transfer._drain = self._drain_hook
+        transfer._cancel = self._cancel_hook
         self._inflight[transfer.id] = transfer
         return transfer
 
@@ -329,7 +330,7 @@ class NativeEngine(EngineBase):
         if self._guarded and any(self._gone(desc.peer.raw, transfer) for desc in plan.targets):
             return
         targets = [self._target_spec(desc) for desc in plan.targets]
-        transfer._drain = self._drain_wait
+        transfer._drain = self._drain_hook
         self._inflight[transfer.id] = transfer
         self._core.submit_write(
             transfer.id,
@@ -360,7 +361,7 @@ class NativeEngine(EngineBase):
     def _backend_send(self, peer: DomainAddress, payload: bytes, transfer: Transfer, timeout: float) -> None:
         if self._guarded and self._gone(peer.raw, transfer):
             return
-        transfer._drain = self._drain_wait
+        transfer._drain = self._drain_hook
         self._inflight[transfer.id] = transfer
         self._core.submit_send(transfer.id, peer.raw, self._header + payload, timeout)
 

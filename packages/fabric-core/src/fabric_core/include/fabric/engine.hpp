@@ -690,7 +690,7 @@ class Engine {
                 if (rc != 0) {
                     bool unreachable = rc == -EHOSTUNREACH || rc == -ECONNREFUSED || rc == -ENOTCONN;
                     std::string why = std::string("posting failed: ") + std::strerror(-rc);
-                    if (unreachable) transport_lost(*op, why);
+                    if (unreachable) transport_lost(*op);
                     fail_op(*op, unreachable ? kPeerUnreachable : kTransport, why);
                 } else {
                     op->state = OpCtx::kPosted;
@@ -749,7 +749,7 @@ class Engine {
         void on_send_done(void* ctx) {
             auto* op = static_cast<OpCtx*>(ctx);
             if (op->kind == 3) {
-                self->probe_done(*op);
+                self->release_probe(*op);
                 return;
             }
             self->finish_op(*op);
@@ -765,7 +765,7 @@ class Engine {
                 return;
             }
             // (before fail_op, which may free the op's request)
-            if (status == kPeerUnreachable) self->transport_lost(*op, message);
+            if (status == kPeerUnreachable) self->transport_lost(*op);
             self->fail_op(*op, status, message);
         }
     };
@@ -919,8 +919,6 @@ class Engine {
         free_probes_.push_back(&op);
     }
 
-    void probe_done(OpCtx& op) { release_probe(op); }
-
     void probe_failed(OpCtx& op, int32_t status, const std::string& message) {
         auto* about = reinterpret_cast<PeerState*>(op.dst_off);
         bool fencing = op.target == 1;
@@ -935,8 +933,8 @@ class Engine {
             peer_lost(*about, "the transport refused a liveness probe: " + message);
     }
 
-    // A work request failed with kPeerUnreachable: the transport says the peer is gone.
-    void transport_lost(OpCtx& op, const std::string& message) {
+    // A work request failed with kPeerUnreachable: the peer it was for becomes suspect.
+    void transport_lost(OpCtx& op) {
         Request& r = *op.request;
         if (r.abandoned) return;  // the aftermath of a failure already acted on (flushed WRs)
         const std::string* peer = nullptr;
@@ -946,7 +944,6 @@ class Engine {
             peer = &r.targets[op.target]->addresses[0];
         }
         if (peer != nullptr && !peer->empty()) suspect(state_for(*peer));
-        (void)message;
     }
 
     // The transport failed a work request to ``p`` at the connection level. That is not proof
