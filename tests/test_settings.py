@@ -34,6 +34,7 @@ def test_defaults() -> None:
         "chaos_seed": None,
         "log_level": "WARNING",
         "efa_provider": "efa",
+        "efa_nic_addrs": None,
         "worker_cpu": None,
         "sim_seed": 0,
         "sim_chunk_bytes": 65536,

@@ -11,8 +11,10 @@
 
 #include <signal.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <stdexcept>
@@ -60,8 +62,10 @@ class SignalGuard {
 };
 
 // fi_getinfo with the process's signal handlers kept (the first call initialises providers).
-inline int getinfo(fi_info* hints, fi_info** out) {
+// ``source``: a local address to bind to (the interface of an IP provider), or empty.
+inline int getinfo(fi_info* hints, fi_info** out, const std::string& source = std::string()) {
     SignalGuard guard;
+    if (!source.empty()) return fi_getinfo(FI_VERSION(1, 17), source.c_str(), nullptr, FI_SOURCE, hints, out);
     return fi_getinfo(FI_VERSION(1, 17), nullptr, nullptr, 0, hints, out);
 }
 
@@ -107,7 +111,8 @@ struct ProviderInfo {
 class LibfabricDomain {
   public:
     // Opens the index-th endpoint on `provider` (several per process emulate several NICs).
-    LibfabricDomain(const std::string& provider, int index, size_t cq_size) {
+    // ``source``: the local address to bind to (see getinfo), or empty.
+    LibfabricDomain(const std::string& provider, int index, size_t cq_size, const std::string& source = std::string()) {
         fi_info* hints = fi_allocinfo();
         if (!hints) throw std::bad_alloc();
         hints->ep_attr->type = FI_EP_RDM;
@@ -117,9 +122,18 @@ class LibfabricDomain {
         hints->domain_attr->threading = FI_THREAD_SAFE;
         hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
         hints->fabric_attr->prov_name = strdup(provider.c_str());
-        int rc = getinfo(hints, &info_);
+        // FI_SOURCE where the provider has it: an imm's source, for exact counts across a
+        // lost NIC (fabric/engine.hpp, "NIC loss").
+        if (!std::getenv("FABRIC_EFA_NO_SOURCE")) hints->caps |= FI_SOURCE;
+        int rc = getinfo(hints, &info_, source);
+        if (rc != 0) {
+            hints->caps &= ~FI_SOURCE;
+            rc = getinfo(hints, &info_, source);
+        }
         fi_freeinfo(hints);
-        if (rc != 0) throw LibfabricError("fi_getinfo(" + provider + ")", rc);
+        if (rc != 0)
+            throw LibfabricError("fi_getinfo(" + provider + (source.empty() ? "" : " at " + source) + ")", rc);
+        sources_ = (info_->caps & FI_SOURCE) != 0;
         shm_ = info_->fabric_attr->prov_name && std::string(info_->fabric_attr->prov_name) == "shm";
         try {
             SignalGuard guard;
@@ -166,6 +180,17 @@ class LibfabricDomain {
     }
 
     const std::string& address() const { return address_; }
+    bool sources() const { return sources_; }
+
+    // Fault injection (tests: the harness's kill_nic): while failed, every write this NIC
+    // completes is reported failed (its bytes and imm landed: an acknowledgement lost with
+    // the NIC), and each new write is, at random, either posted and then reported failed
+    // the same way or dropped unposted and reported failed: the sender cannot tell the two.
+    void inject_failure(bool failed, uint64_t seed) {
+        std::lock_guard<std::mutex> lock(inject_mu_);
+        failed_.store(failed, std::memory_order_release);
+        inject_rng_ = seed;
+    }
     bool virt_addr() const { return (info_->domain_attr->mr_mode & FI_MR_VIRT_ADDR) != 0; }
     bool local_mr() const { return (info_->domain_attr->mr_mode & FI_MR_LOCAL) != 0; }
 
@@ -225,6 +250,16 @@ class LibfabricDomain {
     }
 
     int post_write(const WriteOp& w, void* ctx) {
+        if (failed_.load(std::memory_order_acquire)) {
+            std::lock_guard<std::mutex> lock(inject_mu_);
+            uint64_t z = (inject_rng_ += 0x9e3779b97f4a7c15ULL);  // splitmix64
+            z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+            z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+            if ((z ^ (z >> 31)) & 1) {  // dropped before it left
+                dropped_.push_back(ctx);
+                return 0;
+            }
+        }
         // A zero-length write (imm only) still names a valid local buffer and remote range:
         // some providers dereference them.
         static char zero_len_source[8];
@@ -264,8 +299,19 @@ class LibfabricDomain {
 
     template <class Sink>
     size_t poll(Sink& sink) {
+        bool failed = failed_.load(std::memory_order_acquire);
+        if (failed || !dropped_.empty()) {
+            std::vector<void*> dropped;
+            {
+                std::lock_guard<std::mutex> lock(inject_mu_);
+                dropped.swap(dropped_);
+            }
+            for (void* ctx : dropped) sink.on_error(ctx, kTransport, "NIC down (injected): dropped");
+            if (!dropped.empty()) return dropped.size();
+        }
         fi_cq_data_entry entries[64];
-        ssize_t got = fi_cq_read(cq_, entries, 64);
+        fi_addr_t srcs[64];
+        ssize_t got = sources_ ? fi_cq_readfrom(cq_, entries, 64, srcs) : fi_cq_read(cq_, entries, 64);
         if (got == -FI_EAGAIN) return 0;
         if (got == -FI_EAVAIL) {
             fi_cq_err_entry err{};
@@ -281,7 +327,8 @@ class LibfabricDomain {
         for (ssize_t i = 0; i < got; i++) {
             const fi_cq_data_entry& e = entries[i];
             if (e.flags & FI_REMOTE_CQ_DATA) {
-                sink.on_imm(static_cast<uint32_t>(e.data));
+                uint64_t src = sources_ && srcs[i] != FI_ADDR_NOTAVAIL ? uint64_t(srcs[i]) : kNoSource;
+                sink.on_imm(static_cast<uint32_t>(e.data), src);
                 if (!(e.flags & FI_RECV)) continue;
             }
             if (e.flags & FI_RECV) {
@@ -289,7 +336,11 @@ class LibfabricDomain {
             } else if (e.flags & FI_SEND) {
                 sink.on_send_done(e.op_context);
             } else if (e.flags & (FI_WRITE | FI_RMA)) {
-                sink.on_write_done(e.op_context);
+                if (failed) {
+                    sink.on_error(e.op_context, kTransport, "NIC down (injected): acknowledgement lost");
+                } else {
+                    sink.on_write_done(e.op_context);
+                }
             }
         }
         return static_cast<size_t>(got);
@@ -321,6 +372,11 @@ class LibfabricDomain {
     fid_ep* ep_ = nullptr;
     std::mutex av_mu_;
     bool shm_ = false;  // the shm provider (see remove_peer)
+    bool sources_ = false;  // FI_SOURCE: completions name their source
+    std::atomic<bool> failed_{false};  // inject_failure
+    std::mutex inject_mu_;
+    uint64_t inject_rng_ = 0;
+    std::vector<void*> dropped_;
     std::string address_;
     std::vector<fid_mr*> local_mrs_;
     static constexpr uint64_t kLocalKeyBase = uint64_t(1) << 48;

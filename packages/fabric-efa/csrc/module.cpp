@@ -30,8 +30,9 @@ namespace {
 class EfaEngine : public fabric::PyEngine<LibfabricDomain> {
   public:
     EfaEngine(const std::string& provider, int nics, std::optional<uint64_t> chaos_seed, int cpu, size_t recv_depth,
-              size_t max_send)
-        : PyEngine(open(provider, nics), chaos_seed, cpu, recv_depth, max_send), info_(engine().nic(0).info()) {}
+              size_t max_send, const std::vector<std::string>& sources)
+        : PyEngine(open(provider, nics, sources), chaos_seed, cpu, recv_depth, max_send),
+          info_(engine().nic(0).info()) {}
 
     py::dict provider_info() const {
         py::dict d;
@@ -47,10 +48,20 @@ class EfaEngine : public fabric::PyEngine<LibfabricDomain> {
         return d;
     }
 
+    // Fault injection for tests (the harness's kill_nic / restore_nic).
+    void inject_nic_failure(int nic, bool failed, uint64_t seed) {
+        if (nic < 0 || size_t(nic) >= engine().num_nics()) throw py::index_error("no such NIC");
+        engine().nic(size_t(nic)).inject_failure(failed, seed);
+    }
+
   private:
-    static std::vector<std::unique_ptr<LibfabricDomain>> open(const std::string& provider, int nics) {
+    // ``sources``: empty, or the local address each NIC binds to.
+    static std::vector<std::unique_ptr<LibfabricDomain>> open(const std::string& provider, int nics,
+                                                              const std::vector<std::string>& sources) {
         std::vector<std::unique_ptr<LibfabricDomain>> domains;
-        for (int i = 0; i < nics; i++) domains.push_back(std::make_unique<LibfabricDomain>(provider, i, 4096));
+        for (int i = 0; i < nics; i++)
+            domains.push_back(std::make_unique<LibfabricDomain>(
+                provider, i, 4096, size_t(i) < sources.size() ? sources[size_t(i)] : std::string()));
         return domains;
     }
 
@@ -89,8 +100,12 @@ PYBIND11_MODULE(_efa, m) {
     });
     py::class_<EfaEngine> engine(m, "Engine", py::module_local());
     engine
-        .def(py::init<const std::string&, int, std::optional<uint64_t>, int, size_t, size_t>(), py::arg("provider"),
-             py::arg("nics"), py::arg("chaos_seed"), py::arg("cpu"), py::arg("recv_depth"), py::arg("max_send"))
-        .def("provider_info", &EfaEngine::provider_info);
+        .def(py::init<const std::string&, int, std::optional<uint64_t>, int, size_t, size_t,
+                      const std::vector<std::string>&>(),
+             py::arg("provider"), py::arg("nics"), py::arg("chaos_seed"), py::arg("cpu"), py::arg("recv_depth"),
+             py::arg("max_send"), py::arg("sources") = std::vector<std::string>())
+        .def("provider_info", &EfaEngine::provider_info)
+        .def("inject_nic_failure", &EfaEngine::inject_nic_failure, py::arg("nic"), py::arg("failed"),
+             py::arg("seed") = 0);
     fabric::bind_engine(engine);
 }

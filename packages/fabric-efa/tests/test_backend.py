@@ -77,3 +77,24 @@ def test_loading_libfabric_keeps_pythons_ctrl_c_and_crash_handlers() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "interrupted", (done.returncode, done.stderr)
+
+
+@pytest.mark.parametrize("provider", ["shm", "tcp;ofi_rxm"])
+def test_a_process_that_never_closes_its_engines_exits_cleanly(provider: str) -> None:
+    """Engines left open with work done: the process exits with its own status, not SIGABRT
+    (a completion thread killed at finalization while waiting in C++ used to abort it)."""
+    code = (
+        "import os\n"
+        "os.environ.setdefault('FI_TCP_IFACE', 'lo')\n"
+        "import numpy as np\n"
+        "from fabric_core import registry\n"
+        f"a = registry.open_engine('efa', efa_provider={provider!r}, nics=2)\n"
+        f"b = registry.open_engine('efa', efa_provider={provider!r}, nics=2)\n"
+        "src, dst = np.arange(8192, dtype=np.uint8), np.zeros(8192, np.uint8)\n"
+        "mr, desc = a.register(src), b.register(dst).descriptor\n"
+        "a.submit_write(mr, 0, 8192, desc, 0, imm=1).wait(10)\n"
+        "b.counter(1).wait(2, timeout=10)\n"
+        "raise SystemExit(3)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, (done.returncode, done.stderr[-2000:])

@@ -32,6 +32,7 @@ class EfaHarness(Harness):
 
     max_nics = MAX_NICS
     reports_remote_access_errors = False  # shm and tcp;ofi_rxm leave such writes incomplete
+    supports_nic_faults = True  # injected into the endpoint (LibfabricDomain::inject_failure)
 
     def __init__(self, provider: str, chaos_seed: int | None) -> None:
         super().__init__()
@@ -52,6 +53,18 @@ class EfaHarness(Harness):
             **config,
         )
         return EfaEngine(settings)
+
+    def kill_nic(self, engine: TransferEngine, nic: int) -> None:
+        self._inject(engine, nic, True)
+
+    def restore_nic(self, engine: TransferEngine, nic: int) -> None:
+        self._inject(engine, nic, False)
+
+    def _inject(self, engine: TransferEngine, nic: int, failed: bool) -> None:
+        from fabric_efa.engine import EfaEngine
+
+        assert isinstance(engine, EfaEngine)
+        engine._core.inject_nic_failure(nic, failed, self.chaos_seed or 0)
 
 
 @pytest.fixture(scope="session")

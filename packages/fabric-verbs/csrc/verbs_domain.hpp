@@ -143,6 +143,9 @@ class VerbsDomain {
     // --- the Domain concept ---------------------------------------------------------------
     const std::string& address() const { return address_; }
     bool virt_addr() const { return true; }
+    // Imm sources are not reported yet (the QP number of a completion would say): a target on
+    // verbs cannot reconcile a lost NIC's WriteImms, so its senders fail them instead.
+    bool sources() const { return false; }
 
     uint64_t insert_peer(const std::string& raw) {
         auto it = by_addr_.find(raw);
@@ -963,7 +966,7 @@ class VerbsDomain {
         uint64_t kind = id & 3;
         if (kind == kWrImmRecv) {
             imm_consumed_++;
-            if (wc.status == IBV_WC_SUCCESS && (wc.wc_flags & IBV_WC_WITH_IMM)) sink.on_imm(ntohl(wc.imm_data));
+            if (wc.status == IBV_WC_SUCCESS && (wc.wc_flags & IBV_WC_WITH_IMM)) sink.on_imm(ntohl(wc.imm_data), kNoSource);
             return;
         }
         if (kind == kWrCtrlRecv) {

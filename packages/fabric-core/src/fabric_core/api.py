@@ -56,6 +56,8 @@ class EngineStats:
     imms_received: int
     callback_errors: int
     registrations: int
+    retries: int = 0
+    """Work requests retried on another NIC after theirs was lost (see the failure contract)."""
 
 
 @dataclass(frozen=True, slots=True)

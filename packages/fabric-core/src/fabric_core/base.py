@@ -77,6 +77,7 @@ class EngineBase(TransferEngine):
         self._rotation = 0
         self._stat_submitted = self._stat_completed = self._stat_failed = 0
         self._stat_wrs = self._stat_bytes = 0
+        self._stat_retries = 0
         self._dispatch = CallbackDispatcher(thread_name)
         self._cancel_hook = self._cancel  # bound once: every transfer carries it
         self._counters = self._new_counter_table()
@@ -191,6 +192,7 @@ class EngineBase(TransferEngine):
             imms_received=self._counters.imms_received,
             callback_errors=self._dispatch.errors,
             registrations=len(self._regs),
+            retries=self._stat_retries,
         )
 
     def _check_open(self) -> None:

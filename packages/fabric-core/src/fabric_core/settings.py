@@ -68,6 +68,12 @@ class FabricSettings(BaseSettings):
         description="libfabric provider of the efa backend: 'efa' on AWS; 'shm' (one host) or "
         "'tcp;ofi_rxm' (set FI_TCP_IFACE) anywhere else. Same code path.",
     )
+    efa_nic_addrs: str | None = Field(
+        None,
+        description="Comma-separated local addresses, one per NIC: NIC i binds to the i-th "
+        "(providers that bind to an IP interface, as tcp: one interface per NIC). Default: "
+        "the provider's choice.",
+    )
     worker_cpu: int | None = Field(
         None, description="Pin the engine's worker thread to this CPU (compiled backends)."
     )

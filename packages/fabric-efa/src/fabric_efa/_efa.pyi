@@ -15,7 +15,15 @@ class CounterTable(NativeTableApi):
 
 class Engine(NativeCoreApi):
     def __init__(
-        self, provider: str, nics: int, chaos_seed: int | None, cpu: int, recv_depth: int, max_send: int
+        self,
+        provider: str,
+        nics: int,
+        chaos_seed: int | None,
+        cpu: int,
+        recv_depth: int,
+        max_send: int,
+        sources: list[str] = ...,
     ) -> None: ...
     def counters(self) -> CounterTable: ...
     def provider_info(self) -> dict[str, object]: ...
+    def inject_nic_failure(self, nic: int, failed: bool, seed: int = 0) -> None: ...

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from fabric_core.errors import BackendUnavailable
+from fabric_core.errors import BackendUnavailable, ConfigError
 from fabric_core.models import Capabilities, DomainInfo
 from fabric_core.native import HEADER_BYTES, NativeEngine
 from fabric_core.settings import FabricSettings
@@ -59,6 +59,11 @@ class EfaEngine(NativeEngine):
     def __init__(self, settings: FabricSettings) -> None:
         nics = settings.nics or 1
         provider = settings.efa_provider
+        sources = [a.strip() for a in settings.efa_nic_addrs.split(",")] if settings.efa_nic_addrs else []
+        if sources and (len(sources) != nics or not all(sources)):
+            raise ConfigError(
+                f"efa_nic_addrs names {len(sources)} address(es) for {nics} NIC(s): give one per NIC"
+            )
         try:
             core = _efa.Engine(
                 provider,
@@ -67,6 +72,7 @@ class EfaEngine(NativeEngine):
                 -1 if settings.worker_cpu is None else settings.worker_cpu,
                 settings.recv_depth,
                 settings.max_send_size + HEADER_BYTES,
+                sources,
             )
         except RuntimeError as exc:
             raise BackendUnavailable(

@@ -14,11 +14,12 @@ from fabric_core.errors import ConfigError, EngineClosed, PeerUnreachable
 from fabric_core.memory import MemorySpan
 from fabric_core.models import Capabilities, DomainAddress, DomainInfo
 from fabric_core.ops import Message, Plan
+from fabric_core.reconcile import PowerSums
 from fabric_core.settings import FabricSettings
 from fabric_core.transfer import Transfer
 
 if TYPE_CHECKING:
-    from .fabric import SimFabric, _Xfer
+    from .fabric import _WR, SimFabric, _Xfer
 
 __all__ = ["SIM_MAX_MSG_SIZE", "SimEngine"]
 
@@ -45,6 +46,13 @@ class SimEngine(EngineBase):
         self._rkeys: dict[tuple[int, int], _SimKeys] = {}
         self._inflight: set[_Xfer] = set()
         self._parked: deque[tuple[Message, _Xfer]] = deque()
+        # NIC loss (see SimFabric._reconcile), all under the fabric lock. Per path (peer engine
+        # id, NIC): WRs in flight, WRs failed with the NIC awaiting reconciliation, power sums
+        # of the imms this engine got through it (as a sender) and counted from it (target).
+        self._path_busy: dict[tuple[int, int], int] = {}
+        self._path_failed: dict[tuple[int, int], list[_WR]] = {}
+        self._tx_sums: dict[tuple[int, int], PowerSums] = {}
+        self._rx_sums: dict[tuple[int, int], PowerSums] = {}
         self.engine_id = fabric.attach(self)
         self._keys = random.Random(fabric.seed * 1_000_003 + self.engine_id)
         max_msg = min(settings.max_msg_size or SIM_MAX_MSG_SIZE, SIM_MAX_MSG_SIZE)

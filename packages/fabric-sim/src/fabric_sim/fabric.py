@@ -32,8 +32,9 @@ from fabric_core.errors import (
     TransferTimeout,
     TransportError,
 )
-from fabric_core.models import DomainAddress
+from fabric_core.models import DomainAddress, MemoryRegionDescriptor
 from fabric_core.ops import Plan
+from fabric_core.reconcile import PowerSums, landed_per_imm
 from fabric_core.transfer import Transfer
 
 from .link import LinkModel
@@ -50,7 +51,7 @@ _MAGIC = b"SIM"
 _fabric_ids = itertools.count(1)
 
 # event kinds
-_CHUNK, _WR_DONE, _IMM, _LOCAL, _MSG = range(5)
+_CHUNK, _WR_DONE, _IMM, _LOCAL, _MSG, _ACK = range(6)
 _SPREAD = 3.0
 _TICK = 0.01  # how often (wall clock) deadlines and liveness are checked
 
@@ -90,7 +91,24 @@ class _Xfer:
 
 
 class _WR:
-    __slots__ = ("dst", "dst_addr", "error", "imm", "left", "length", "nic", "rkey", "src", "src_ptr", "xfer")
+    __slots__ = (
+        "ack_lost",
+        "batch",
+        "carrier",
+        "desc",
+        "dst",
+        "dst_addr",
+        "error",
+        "fate",
+        "imm",
+        "left",
+        "length",
+        "nic",
+        "rkey",
+        "src",
+        "src_ptr",
+        "xfer",
+    )
 
     def __init__(
         self,
@@ -103,12 +121,28 @@ class _WR:
         rkey: int,
         imm: int | None,
         chunks: int,
+        desc: MemoryRegionDescriptor,
     ) -> None:
         self.xfer, self.dst, self.nic = xfer, dst, nic
         self.src = xfer.engine.engine_id
         self.src_ptr, self.dst_addr, self.length, self.rkey, self.imm = src_ptr, dst_addr, length, rkey, imm
         self.left = chunks
+        self.desc = desc  # the target's descriptor: its keys on the other NICs, for a retry
         self.error: BaseException | None = None
+        self.fate: bool | None = None  # caught on a dying NIC: lands with its ack lost (True) or not
+        self.ack_lost: BaseException | None = None  # landed, but the sender is told it failed
+        self.batch: _Recovery | None = None  # a retry of a WR lost with a NIC (see _reconcile)
+        self.carrier: int | None = None  # a data retry whose slot waits for a make-up imm
+
+
+class _Recovery:
+    """The retries of one path's failed WRs: data first (no imm), then the make-up imms."""
+
+    __slots__ = ("data_left", "makeups")
+
+    def __init__(self) -> None:
+        self.data_left = 0
+        self.makeups: list[_WR] = []  # data retries that carry a make-up imm once all landed
 
 
 def _trace_key(kind: int, payload: Any) -> tuple[int, ...]:
@@ -116,8 +150,9 @@ def _trace_key(kind: int, payload: Any) -> tuple[int, ...]:
     if kind == _CHUNK:
         wr, off, _n = payload
         return (wr.xfer.transfer.id, wr.nic, wr.length, off)
-    if kind == _WR_DONE:
-        return (payload.xfer.transfer.id, payload.nic, payload.length)
+    if kind in (_WR_DONE, _ACK):
+        wr = payload if kind == _WR_DONE else payload[0]
+        return (wr.xfer.transfer.id, wr.nic, wr.length)
     if kind == _IMM:
         return (payload[0], payload[1])
     if kind in (_LOCAL, _MSG):
@@ -258,6 +293,10 @@ class SimFabric:
             revived = [(e, p) for e, p in self._lost if p == engine.engine_id]
             for key in revived:
                 self._lost.discard(key)
+            for waiting in list(self._engines.values()):  # reconciliations it held up
+                for dst, nic in list(waiting._path_failed):
+                    if dst == engine.engine_id and (dst, nic) not in waiting._path_busy:
+                        self._reconcile(waiting, dst, nic)
             self._cv.notify_all()
         for e, _p in revived:
             other = self._engines.get(e)
@@ -345,11 +384,14 @@ class SimFabric:
                     desc.nics[nic].rkey,
                     plan.imm,
                     self._chunks(length),
+                    desc,
                 )
                 self._post_wr(wr)
             self._cv.notify_all()
 
     def _post_wr(self, wr: _WR) -> None:
+        busy = wr.xfer.engine._path_busy
+        busy[(wr.dst, wr.nic)] = busy.get((wr.dst, wr.nic), 0) + 1
         length, parts = wr.length, wr.left
         size = -(-length // parts) if length else 0
         if self.link is None:
@@ -425,6 +467,8 @@ class SimFabric:
             return payload[0].dst in stalled or payload[0].src in stalled
         if kind == _WR_DONE:
             return bool(payload.src in stalled or payload.dst in stalled)
+        if kind == _ACK:
+            return bool(payload[0].src in stalled)
         if kind == _IMM:
             return bool(payload[0] in stalled)
         if kind == _LOCAL:
@@ -572,10 +616,13 @@ class SimFabric:
         elif kind == _WR_DONE:
             self._wr_done(payload)
         elif kind == _IMM:
-            dst, imm, _src = payload
+            dst, imm, _src, _nic = payload
             engine = self._engines.get(dst)
             if engine is not None:
                 engine._counters.add(imm)
+        elif kind == _ACK:
+            wr, err = payload
+            self._ack(wr, err)
         elif kind == _LOCAL:
             xfer, err, nbytes = payload
             self._local_done(xfer, err, nbytes)
@@ -588,6 +635,14 @@ class SimFabric:
         xfer = wr.xfer
         if wr.error is None and xfer.left >= 0:
             err = self._check_access(wr, off, n)
+            if err is not None and self._nic_down(wr):
+                # Caught by a NIC going down: as on a real NIC the sender cannot tell whether
+                # the WR got through before its acknowledgement was lost. Seeded either way.
+                if wr.fate is None:
+                    wr.fate = self._rng.random() < 0.5
+                if wr.fate:
+                    wr.ack_lost = err
+                    err = self._check_access(wr, off, n, nics=False)
             if err is not None:
                 wr.error = err
             elif n:
@@ -595,17 +650,20 @@ class SimFabric:
         if wr.left == 0:
             self._push(self.now + (self._jitter() * 0.25 if self.link is None else 0.0), _WR_DONE, wr)
 
-    def _check_access(self, wr: _WR, off: int, n: int) -> BaseException | None:
+    def _nic_down(self, wr: _WR) -> bool:
+        return (wr.src, wr.nic) in self._dead_nics or (wr.dst, wr.nic) in self._dead_nics
+
+    def _check_access(self, wr: _WR, off: int, n: int, *, nics: bool = True) -> BaseException | None:
         src = self._engines.get(wr.src)
         if src is None:
             return EngineClosed("sending engine is gone")
         peer = str(self.address(wr.dst, 0))
-        if (wr.src, wr.nic) in self._dead_nics:
+        if nics and (wr.src, wr.nic) in self._dead_nics:
             return TransportError(f"local NIC {wr.nic} went down", peer=peer, nic=wr.nic)
         dst = self._engines.get(wr.dst)
         if dst is None:
             return PeerUnreachable(f"peer {peer} is gone", peer=peer, nic=wr.nic)
-        if (wr.dst, wr.nic) in self._dead_nics:
+        if nics and (wr.dst, wr.nic) in self._dead_nics:
             return TransportError(f"NIC {wr.nic} of peer {peer} went down", peer=peer, nic=wr.nic)
         reg: _SimKeys | None = dst._rkeys.get((wr.nic, wr.rkey))
         if reg is None:
@@ -624,13 +682,169 @@ class SimFabric:
     def _wr_done(self, wr: _WR) -> None:
         xfer = wr.xfer
         if xfer.left < 0:
+            self._path_done(wr)
             return
         if wr.error is None:
             self.wrs_delivered += 1
             if wr.imm is not None:
-                self._push(self.now + self._jitter() * 0.25, _IMM, (wr.dst, wr.imm, wr.src))
+                # The target's completion entry exists from now on; it is counted a little
+                # later (polled). A count query is answered only after polling everything
+                # (as the compiled engine does), so the path's sums include it from now on.
+                target = self._engines.get(wr.dst)
+                if target is not None:
+                    sums = target._rx_sums.get((wr.src, wr.nic))
+                    if sums is None:
+                        sums = target._rx_sums[(wr.src, wr.nic)] = PowerSums()
+                    sums.add(wr.imm)
+                self._push(self.now + self._jitter() * 0.25, _IMM, (wr.dst, wr.imm, wr.src, wr.nic))
         ack = self._jitter() if self.link is None else self.link.latency_s + self._jitter()
-        self._push(self.now + ack, _LOCAL, (xfer, wr.error, wr.length if wr.error is None else 0))
+        self._push(self.now + ack, _ACK, (wr, wr.error if wr.error is not None else wr.ack_lost))
+
+    def _path_done(self, wr: _WR) -> None:
+        busy = wr.xfer.engine._path_busy
+        key = (wr.dst, wr.nic)
+        left = busy.get(key, 1) - 1
+        if left > 0:
+            busy[key] = left
+        else:
+            busy.pop(key, None)
+            if key in wr.xfer.engine._path_failed:
+                self._reconcile(wr.xfer.engine, *key)
+
+    def _ack(self, wr: _WR, err: BaseException | None) -> None:
+        """The sender's completion of one WR."""
+        xfer, engine = wr.xfer, wr.xfer.engine
+        if xfer.left >= 0 and not xfer.early and err is not None and self._retriable(wr, err):
+            # Lost with a NIC while another NIC reaches the peer: retried there, with the
+            # target's counts reconciled first if it carried an imm (see _reconcile).
+            engine._stat_retries += 1
+            engine._path_failed.setdefault((wr.dst, wr.nic), []).append(wr)
+            self._path_done(wr)
+            return
+        if err is None and wr.imm is not None and xfer.left >= 0:
+            sums = engine._tx_sums.get((wr.dst, wr.nic))
+            if sums is None:
+                sums = engine._tx_sums[(wr.dst, wr.nic)] = PowerSums()
+            sums.add(wr.imm)
+        self._path_done(wr)
+        self._settle(wr, err)
+
+    def _settle(self, wr: _WR, err: BaseException | None) -> None:
+        """``wr`` is final (its path accounted for): settle its slot of the transfer."""
+        xfer = wr.xfer
+        batch = wr.batch
+        if batch is not None and wr.imm is None:  # a data retry, final now
+            batch.data_left -= 1
+            carries = err is None and wr.carrier is not None
+            if carries:
+                batch.makeups.append(wr)
+            if batch.data_left == 0:  # every retried byte is in place: the make-up imms
+                makeups, batch.makeups = batch.makeups, []
+                for d in makeups:
+                    if d.xfer.left >= 0 and not d.xfer.early:
+                        self._post_retry(d, d.carrier, 0, None)
+                    else:
+                        self._local_done(d.xfer, None, 0)
+            if carries:
+                return  # its slot settles with the make-up imm
+        self._local_done(xfer, err, wr.length if err is None else 0)
+
+    def _retriable(self, wr: _WR, err: BaseException) -> bool:
+        if not isinstance(err, TransportError) or isinstance(
+            err, (RemoteAccessError, PeerUnreachable, EngineClosed)
+        ):
+            return False
+        if wr.dst not in self._engines:
+            return False
+        return self._live_nic(wr.src, wr.dst, wr.nic, wr.xfer.engine.num_nics) is not None
+
+    def _post_retry(self, wr: _WR, imm: int | None, length: int, batch: _Recovery | None) -> _WR | None:
+        """Post ``wr`` again on a live NIC (``imm``, ``length``: what the retry carries)."""
+        engine = wr.xfer.engine
+        nic = self._live_nic(wr.src, wr.dst, wr.nic, engine.num_nics)
+        if nic is None:
+            err = TransportError(
+                "every NIC on the route is down", peer=str(self.address(wr.dst, 0)), nic=wr.nic
+            )
+            self._settle(wr, err)
+            return None
+        again = _WR(
+            wr.xfer,
+            wr.dst,
+            nic,
+            wr.src_ptr,
+            wr.dst_addr,
+            length,
+            wr.desc.nics[nic].rkey,
+            imm,
+            self._chunks(length),
+            wr.desc,
+        )
+        again.batch = batch
+        self._post_wr(again)
+        return again
+
+    def _reconcile(self, engine: SimEngine, dst: int, nic: int) -> None:
+        """Settle the WRs that failed on path (engine -> dst, NIC ``nic``) once nothing of it
+        is in flight: ask the target for its power sums of the path (a control message on a
+        real engine), work out how many of the failed WriteImms it counted per imm value, and
+        retry: every failed WR's bytes again without imm on a live NIC, then, once those are
+        in place, as many imm-only writes per value as the target is short. All counted: the
+        target may already be done with the memory, so nothing is rewritten."""
+        if dst in self._stalled:
+            return  # (its resumption reconciles; a lost peer fails the transfers meanwhile)
+        failed = engine._path_failed.pop((dst, nic))
+        live: list[_WR] = []
+        for w in failed:
+            if w.xfer.left >= 0 and not w.xfer.early:
+                live.append(w)
+            else:
+                self._settle(w, None)  # its transfer ended: reaped
+        target = self._engines.get(dst)
+        if target is None:
+            gone = PeerUnreachable(f"peer {self.address(dst, 0)} is gone")
+            for w in live:
+                self._settle(w, gone)
+            return
+        with_imm = [(w, w.imm) for w in live if w.imm is not None]
+        batch = _Recovery()
+        for w in live:
+            if w.imm is None:  # bytes only: idempotent, retried as they are
+                again = self._post_retry(w, None, w.length, w.batch)
+                if again is not None:
+                    again.carrier = w.carrier
+        if not with_imm:
+            return
+        counts: dict[int, int] = {}
+        for _w, imm in with_imm:
+            counts[imm] = counts.get(imm, 0) + 1
+        rx = target._rx_sums.get((engine.engine_id, nic), PowerSums())
+        tx = engine._tx_sums.setdefault((dst, nic), PowerSums())
+        landed = landed_per_imm(rx.minus(tx), counts)
+        if landed is None:
+            err = TransportError(
+                f"NIC {nic} was lost with {len(with_imm)} WriteImms to {self.address(dst, 0)} on it, and "
+                "the target's counts do not tell how many landed",
+                peer=str(self.address(dst, 0)),
+                nic=nic,
+            )
+            for w, _imm in with_imm:
+                self._settle(w, err)
+            return
+        for imm, n in landed.items():
+            tx.add(imm, n)  # counted at the target: the path's sums agree again
+        short = {imm: counts[imm] - n for imm, n in landed.items()}
+        for w, imm in with_imm:
+            if landed[imm] == counts[imm]:
+                self._settle(w, None)  # all of this value landed
+                continue
+            again = self._post_retry(w, None, w.length, batch)
+            if again is None:
+                continue
+            batch.data_left += 1
+            if short[imm] > 0:
+                short[imm] -= 1
+                again.carrier = imm
 
     def _local_done(self, xfer: _Xfer, err: BaseException | None, nbytes: int) -> None:
         if xfer.left < 0:

@@ -21,6 +21,7 @@ class SimHarness(Harness):
 
     supports_faults = True
     supports_stall = True
+    supports_nic_faults = True
     max_nics = 8
 
     def __init__(self, seed: int = 0, **fabric_args: Any) -> None:
@@ -48,6 +49,9 @@ class SimHarness(Harness):
 
     def kill_nic(self, engine: TransferEngine, nic: int) -> None:
         self.fabric.fail_nic(self._sim(engine), nic)
+
+    def restore_nic(self, engine: TransferEngine, nic: int) -> None:
+        self.fabric.restore_nic(self._sim(engine), nic)
 
     def stall_peer(self, engine: TransferEngine) -> None:
         self.fabric.stall_peer(self._sim(engine))

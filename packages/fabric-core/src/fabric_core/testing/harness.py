@@ -27,6 +27,8 @@ class Harness(ABC):
     supports_faults: bool = False
     """``kill_peer`` and ``kill_nic`` work."""
     supports_stall: bool = False
+    supports_nic_faults: bool = False
+    """``kill_nic`` and ``restore_nic`` work (a NIC lost under traffic, then back)."""
     """``stall_peer`` and ``resume_peer`` work (a peer alive but silent, as under SIGSTOP)."""
     max_nics: int = 1
     """Largest NIC count ``open_engine`` can give."""
@@ -70,6 +72,10 @@ class Harness(ABC):
 
     def kill_nic(self, engine: TransferEngine, nic: int) -> None:
         """Take NIC ``nic`` of ``engine`` down."""
+        raise CapabilityError("this harness cannot kill a NIC")
+
+    def restore_nic(self, engine: TransferEngine, nic: int) -> None:
+        """Bring back a NIC ``kill_nic`` took down."""
         raise CapabilityError("this harness cannot kill a NIC")
 
     def stall_peer(self, engine: TransferEngine) -> None:

@@ -9,11 +9,13 @@ namespace this process runs in, and no packet leaves the lab. Needs root, ``ip``
 
 Engines run in workers of a ``WorkerPool`` (``fabric_core.testing.remote``) started inside a
 host's namespace: ``lab.engine(pool, host)`` opens an efa engine on ``tcp;ofi_rxm`` bound to
-the host's ``r0`` (``FI_TCP_IFACE``), one worker per host. Faults, each reversible and limited
+the host's ``r0`` (``FI_TCP_IFACE``; with several rails, NIC ``i`` of an engine binds to rail
+``i``), one worker per host. Faults, each reversible and limited
 to one host: ``link_down``/``link_up`` (the host's veth), ``blackhole``/``unblackhole`` (drop
 everything in and out of its rail interfaces, nftables), ``loss`` (random drop in, out or
 both ways, nftables; see ``NetnsLab(gso=)`` for what a packet is), ``rate_limit`` (htb on the
-veth's egress), ``clear_faults``; and on its worker process
+veth's egress), ``nic_fail``/``nic_restore`` (TCP through one rail reset and refused, as a NIC
+that fails and says so), ``clear_faults``; and on its worker process
 ``kill`` (SIGKILL), ``stop`` (SIGSTOP), ``cont`` (SIGCONT) and ``restart`` (a fresh worker,
 for a restarted peer)::
 
@@ -158,6 +160,7 @@ class NetnsLab:
         # fault state, per host: rails blackholed, loss percent per rail, rails down / limited
         self._blackholed: dict[int, set[int]] = {h: set() for h in range(hosts)}
         self._loss: dict[int, dict[int, tuple[float, str]]] = {h: {} for h in range(hosts)}
+        self._reset: dict[int, set[int]] = {h: set() for h in range(hosts)}
         self._down: set[tuple[int, int]] = set()
         self._limited: set[tuple[int, int]] = set()
         self._workers: dict[int, tuple[WorkerPool, _Worker]] = {}
@@ -319,6 +322,22 @@ class NetnsLab:
                     self._loss[host].pop(r, None)
             self._apply_nft(host)
 
+    def nic_fail(self, host: int, rail: int) -> None:
+        """Host ``host``'s NIC on ``rail`` fails as a NIC that reports it: every TCP
+        connection through it is reset (its next packet either way meets a reset) and new ones
+        are refused, until ``nic_restore``. Nothing else of the host changes."""
+        self._check(host, rail)
+        with self._lock:
+            self._reset[host].add(rail)
+            self._apply_nft(host)
+
+    def nic_restore(self, host: int, rail: int) -> None:
+        """Undo ``nic_fail``."""
+        self._check(host, rail)
+        with self._lock:
+            self._reset[host].discard(rail)
+            self._apply_nft(host)
+
     def _apply_nft(self, host: int) -> None:
         """Replace the host's table with one holding its current packet faults, atomically."""
         rules: list[str] = []
@@ -326,6 +345,11 @@ class NetnsLab:
             iface = self.iface(rail)
             if rail in self._blackholed[host]:
                 rules += [f'iifname "{iface}" counter drop', f'oifname "{iface}" counter drop']
+            elif rail in self._reset[host]:
+                rules += [
+                    f'iifname "{iface}" meta l4proto tcp counter reject with tcp reset',
+                    f'oifname "{iface}" meta l4proto tcp counter reject with tcp reset',
+                ]
             elif rail in self._loss[host]:
                 percent, direction = self._loss[host][rail]
                 per_10k = round(percent * 100)
@@ -358,14 +382,17 @@ class NetnsLab:
                     self.rate_limit(host, None, rail)
             self._blackholed[host].clear()
             self._loss[host].clear()
+            self._reset[host].clear()
             self._apply_nft(host)
 
     # workers and engines -----------------------------------------------------------------
     def worker_env(self, host: int) -> dict[str, str]:
-        """The environment of a worker on host ``host``: libfabric's tcp provider on ``r0``."""
+        """The environment of a worker on host ``host``: libfabric's tcp provider on ``r0``
+        (with several rails, each engine binds its NICs to the rails' addresses instead)."""
         self._check(host)
-        env = {k: v for k, v in os.environ.items() if k != "FI_PROVIDER"}
-        env["FI_TCP_IFACE"] = self.iface(0)
+        env = {k: v for k, v in os.environ.items() if k not in ("FI_PROVIDER", "FI_TCP_IFACE")}
+        if self.rails == 1:
+            env["FI_TCP_IFACE"] = self.iface(0)
         env.update(self.env.get(host, {}))
         return env
 
@@ -384,8 +411,14 @@ class NetnsLab:
 
     def engine(self, pool: WorkerPool, host: int, **settings: Any) -> RemoteEngine:
         """An efa engine on ``tcp;ofi_rxm`` in host ``host``'s worker; ``settings`` are
-        ``FabricSettings`` fields overriding ``nics=1``."""
+        ``FabricSettings`` fields overriding ``nics=1``. With several rails, NIC ``i`` binds
+        to the host's address on rail ``i`` (``efa_nic_addrs``)."""
         config: dict[str, Any] = {"backend": "efa", "efa_provider": "tcp;ofi_rxm", "nics": 1, **settings}
+        nics = int(config["nics"])
+        if self.rails > 1 and "efa_nic_addrs" not in settings:
+            if nics > self.rails:
+                raise NetnsError(f"{nics} NICs need as many rails; this lab has {self.rails}")
+            config["efa_nic_addrs"] = ",".join(self.address(host, r) for r in range(nics))
         return RemoteEngine(pool, self.worker(pool, host), config)
 
     def _proc(self, host: int) -> subprocess.Popen[bytes]:

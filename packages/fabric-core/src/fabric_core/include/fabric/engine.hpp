@@ -58,6 +58,8 @@
 #include <cstdint>
 #include <cstring>
 #include <deque>
+#include <list>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -74,8 +76,10 @@
 #include <sys/prctl.h>
 #endif
 
+#include "closed.hpp"
 #include "counters.hpp"
 #include "mpsc_queue.hpp"
+#include "reconcile.hpp"
 
 namespace fabric {
 
@@ -92,6 +96,28 @@ enum Status : int32_t {
 
 using Clock = std::chrono::steady_clock;
 
+// A domain's poll reports an imm's source as the peer handle insert_peer gave for it, or
+// this where it cannot tell (no FI_SOURCE, a source not in the address vector).
+constexpr uint64_t kNoSource = ~uint64_t(0);
+
+struct OpCtx;
+
+// One path: this engine's NIC k to a peer's NIC k (k > 0: NIC 0's path carries the control
+// channel and its failures are the peer's, see suspect()). Losing a path fails only its work
+// requests, which are retried on the other NICs with the imms the target already counted
+// reconciled first (docs/concepts/failures.md, "Losing a NIC"; fabric/reconcile.hpp).
+struct PathState {
+    Clock::time_point down_until{};  // avoided until then (its NIC failed work requests)
+    size_t imm_busy = 0;             // WriteImms posted on it and not yet reported
+    std::vector<OpCtx*> failed;      // WriteImms lost with it, awaiting reconciliation
+    bool querying = false;           // a count query is out (nonces query_first .. query_nonce)
+    uint64_t query_first = 0, query_nonce = 0;
+    Clock::time_point query_sent{};
+    PowerSums tx;  // as a sender: imms of this session's WriteImms that completed on it
+    PowerSums rx;  // as a target: imms counted from this peer on it (FI_SOURCE)
+    uint64_t unattributed_at_hello = 0;  // the NIC's unattributed imms when the peer said hello
+};
+
 // What the worker knows of one remote engine (keyed by its NIC 0 address).
 struct PeerState {
     std::string address;                 // NIC 0's address
@@ -104,6 +130,16 @@ struct PeerState {
     bool wanted = false;                 // scratch of the liveness tick
     bool touched = false;                // probe_peer() asked for a probe
     uint64_t answered = 0;               // the highest probe nonce it answered
+    // NIC-loss bookkeeping (several NICs). A session starts with a hello telling the peer
+    // this engine's NIC addresses, so that it attributes every imm it counts from them to
+    // this engine; WriteImms to the peer use NICs > 0 only once the hello is answered.
+    std::vector<PathState> paths;        // per NIC
+    uint64_t session = 0;                // as a sender: the hello's nonce (0: none yet)
+    bool session_ok = false;             // its answer came
+    bool reconcilable = false;           // the peer attributes imms to their sources
+    uint64_t peer_incarnation = 0;       // from the answer: a restart shows as a new one
+    Clock::time_point hello_sent{};
+    uint64_t rx_session = 0;             // as a target: the session its rx sums belong to
 };
 
 struct WriteOp {
@@ -143,6 +179,18 @@ struct OpCtx {
     int kind = 0;  // 0 write, 1 send, 2 recv, 3 probe or answer (no request)
     enum : uint8_t { kQueued = 0, kPosted = 1, kSettled = 2 };
     uint8_t state = kQueued;  // for diagnostics (Engine::dump)
+    // a retry after a lost NIC: kAsPlanned, kBytesOnly (the bytes again, no imm), kImmOnly
+    // (a make-up imm once the bytes are in place)
+    enum : uint8_t { kAsPlanned = 0, kBytesOnly = 1, kImmOnly = 2 };
+    uint8_t mode = kAsPlanned;
+    bool carrier = false;             // a bytes-only retry that then carries a make-up imm
+    struct RetryBatch* retry = nullptr;  // the reconciliation it is a bytes-only retry of
+};
+
+// The bytes-only retries of one reconciliation: the make-up imms go once all have landed.
+struct RetryBatch {
+    size_t left = 0;
+    std::vector<OpCtx*> carriers;
 };
 
 struct Request {
@@ -203,6 +251,8 @@ struct PeerView {
     double probe_out_s;  // negative: no probe outstanding
     uint64_t probes;
     bool lost;
+    std::string session;           // NIC-loss session: none, hello sent, reconcilable, unattributed
+    std::vector<size_t> down_nics;  // NICs whose path to it is avoided now
 };
 struct EngineDump {
     std::vector<RequestView> requests;
@@ -219,6 +269,11 @@ struct EngineStats {
     uint64_t probes = 0;       // liveness probes sent
     uint64_t peers_lost = 0;
     uint64_t timeouts = 0;     // requests failed at their deadline
+    uint64_t retries = 0;      // work requests retried on another NIC after theirs was lost
+    uint64_t reconciled = 0;   // lost WriteImms settled by the target's counts
+    uint64_t landed_unacked = 0;  // of those: counted at the target although they failed here
+    uint64_t makeups = 0;      // imm-only writes posted for lost WriteImms that had not landed
+    uint64_t unreconciled = 0;    // lost WriteImms failed: the counts could not tell
 };
 
 template <class Domain>
@@ -231,6 +286,7 @@ class Engine {
           chaos_(chaos),
           rng_(chaos_seed),
           pending_(nics_.size()),
+          stalled_since_(nics_.size()),
           peers_(nics_.size()),
           recv_depth_(recv_depth),
           max_send_(max_send),
@@ -251,6 +307,10 @@ class Engine {
             if (rc != 0) throw std::runtime_error("posting control receive buffers failed: " + std::to_string(rc));
         }
         self_address_ = nics_[0]->address();
+        attrib_.resize(nics_.size());
+        unattributed_.assign(nics_.size(), 0);
+        for (size_t n = 1; n < nics_.size(); n++) attributes_ = attributes_ && nics_[n]->sources();
+        incarnation_ = std::random_device{}() | (uint64_t(std::random_device{}()) << 32) | 1;
         worker_ = std::thread([this, cpu] { run(cpu); });
         counters_->set_progress([this] { return help(); });
     }
@@ -389,6 +449,11 @@ class Engine {
         s.probes = probes_.load();
         s.peers_lost = peers_lost_.load();
         s.timeouts = timeouts_.load();
+        s.retries = retries_.load();
+        s.reconciled = reconciled_.load();
+        s.landed_unacked = landed_unacked_.load();
+        s.makeups = makeups_.load();
+        s.unreconciled = unreconciled_.load();
         return s;
     }
 
@@ -516,6 +581,10 @@ class Engine {
             v.probe_out_s = p.probe_sent == Clock::time_point{} ? -1.0 : secs(now - p.probe_sent);
             v.probes = p.probes;
             v.lost = p.lost;
+            v.session = p.session_ok ? (p.reconcilable ? "reconcilable" : "unattributed")
+                        : p.session != 0 ? "hello sent" : "none";
+            for (size_t k = 1; k < p.paths.size(); k++)
+                if (now < p.paths[k].down_until || !p.paths[k].failed.empty()) v.down_nics.push_back(k);
             out.peers.push_back(std::move(v));
         }
         return out;
@@ -683,10 +752,29 @@ class Engine {
                 if (rc == -EAGAIN) {
                     eagain_++;
                     full_ = true;
+                    // A path whose provider will not take a work request for as long as a peer
+                    // may leave a probe unanswered (tcp: a connection that never comes up says
+                    // -EAGAIN forever) is lost like one that fails them: its queued work
+                    // requests, never posted, move to another NIC.
+                    if (stalled_since_[n] == Clock::time_point{}) {
+                        stalled_since_[n] = now_;
+                    } else if (n > 0 && op->kind == 0 && now_ - stalled_since_[n] >= probe_timeout_ &&
+                               path_lost(*op, kTransport, "the provider refused every work request for it", false)) {
+                        q.pop_front();
+                        stalled_since_[n] = Clock::time_point{};
+                        any = true;
+                        continue;
+                    }
                     break;  // the NIC is full: poll, then retry
                 }
+                stalled_since_[n] = Clock::time_point{};
                 q.pop_front();
                 any = true;
+                if (rc == kRerouted) {  // its path is down (or not yet set up): another NIC
+                    pending_[op->nic].push_back(op);
+                    continue;
+                }
+                if (rc != 0 && op->kind == 0 && path_lost(*op, kPeerUnreachable, std::strerror(-rc), false)) continue;
                 if (rc != 0) {
                     bool unreachable = rc == -EHOSTUNREACH || rc == -ECONNREFUSED || rc == -ENOTCONN;
                     std::string why = std::string("posting failed: ") + std::strerror(-rc);
@@ -719,6 +807,20 @@ class Engine {
             t.peers.assign(nics_.size(), Target::kUnresolved);
             t.epoch = epoch_;
             t.state = &state_for(t.addresses[0]);
+            if (nics_.size() > 1) start_hello(*t.state);  // NICs > 0 carry WriteImms once answered
+        }
+        bool imm = op.mode == OpCtx::kImmOnly || (r.has_imm && op.mode == OpCtx::kAsPlanned);
+        PathState* path = nullptr;
+        if (n > 0) {  // several NICs: is this path usable (for an imm: is the session up)?
+            PeerState& p = *t.state;
+            if (p.paths.size() != nics_.size()) p.paths.resize(nics_.size());
+            path = &p.paths[n];
+            bool down = now_ < path->down_until || !path->failed.empty() || path->querying;
+            if (down || (imm && !p.session_ok)) {
+                if (imm && !p.session_ok) start_hello(p);
+                op.nic = pick_nic(p, n, imm);
+                return kRerouted;
+            }
         }
         uint64_t& peer = t.peers[n];
         if (peer == Target::kUnresolved) {
@@ -732,20 +834,35 @@ class Engine {
         }
         WriteOp w;
         w.src = reinterpret_cast<const void*>(op.src);
-        w.len = op.len;
+        w.len = op.mode == OpCtx::kImmOnly ? 0 : op.len;
         w.desc = r.src_desc ? (*r.src_desc)[n] : nullptr;
         w.peer = peer;
         w.raddr = (nics_[n]->virt_addr() ? t.remote_base : 0) + op.dst_off;
         w.rkey = t.rkeys[n];
-        w.has_imm = r.has_imm;
+        w.has_imm = imm;
         w.imm = r.imm;
-        return nics_[n]->post_write(w, &op);
+        int rc = nics_[n]->post_write(w, &op);
+        if (rc == 0 && imm && path) path->imm_busy++;
+        return rc;
+    }
+
+    // A usable NIC other than ``n`` for an op to ``p``: NIC 0 always is (its failures are the
+    // peer's); one above it if its path is up and, for an imm, the session is.
+    uint32_t pick_nic(const PeerState& p, uint32_t n, bool imm) const {
+        uint32_t count = static_cast<uint32_t>(nics_.size());
+        for (uint32_t step = 1; step < count; step++) {
+            uint32_t j = (n + step) % count;
+            if (j == 0) return 0;
+            const PathState& q = p.paths[j];
+            if (now_ >= q.down_until && q.failed.empty() && !q.querying && (!imm || p.session_ok)) return j;
+        }
+        return 0;
     }
 
     struct Sink {
         Engine* self;
         uint32_t nic;
-        void on_write_done(void* ctx) { self->finish_op(*static_cast<OpCtx*>(ctx)); }
+        void on_write_done(void* ctx) { self->write_done(*static_cast<OpCtx*>(ctx)); }
         void on_send_done(void* ctx) {
             auto* op = static_cast<OpCtx*>(ctx);
             if (op->kind == 3) {
@@ -755,7 +872,12 @@ class Engine {
             self->finish_op(*op);
         }
         void on_recv(void* ctx, size_t len) { self->got_message(*static_cast<OpCtx*>(ctx), len); }
-        void on_imm(uint32_t imm) { self->imm_counts_[imm]++; }
+        // ``src``: the source's peer handle on this NIC where the domain reports it (kNoSource
+        // otherwise); imms arriving on NICs > 0 are attributed to their sender for NIC loss.
+        void on_imm(uint32_t imm, uint64_t src) {
+            self->imm_counts_[imm]++;
+            if (nic > 0) self->attribute(nic, src, imm);
+        }
         void on_error(void* ctx, int32_t status, const std::string& message) {
             if (ctx == nullptr) return;
             auto* op = static_cast<OpCtx*>(ctx);
@@ -763,6 +885,11 @@ class Engine {
             if (op->kind == 3) {
                 self->probe_failed(*op, status, message);
                 return;
+            }
+            if (op->kind == 0) {
+                PathState* path = self->path_of(*op);
+                if (path != nullptr && op_imm(*op) && path->imm_busy > 0) path->imm_busy--;
+                if (self->path_lost(*op, status, message, true)) return;  // to be retried
             }
             // (before fail_op, which may free the op's request)
             if (status == kPeerUnreachable) self->transport_lost(*op);
@@ -779,10 +906,45 @@ class Engine {
         return any;
     }
 
+    // A write's successful completion (from a domain's poll).
+    void write_done(OpCtx& op) {
+        PathState* path = path_of(op);
+        if (path != nullptr && op_imm(op)) {
+            if (path->imm_busy > 0) path->imm_busy--;
+            path->tx.add(op.request->imm);
+        }
+        if (op.retry != nullptr && op.carrier && !op.request->abandoned) {
+            // its bytes are in place: it carries a make-up imm once the whole batch's are
+            completed_.fetch_add(1, std::memory_order_relaxed);
+            bytes_.fetch_add(op.len, std::memory_order_relaxed);
+            RetryBatch* b = op.retry;
+            op.retry = nullptr;
+            b->carriers.push_back(&op);
+            batch_step(b);
+            return;
+        }
+        finish_op(op);
+    }
+
+    static bool op_imm(const OpCtx& op) {
+        return op.kind == 0 &&
+               (op.mode == OpCtx::kImmOnly || (op.request->has_imm && op.mode == OpCtx::kAsPlanned));
+    }
+
+    // The path a write went on, where NIC loss tracks it (NICs > 0 of a multi-NIC engine).
+    PathState* path_of(const OpCtx& op) {
+        if (op.kind != 0 || op.nic == 0) return nullptr;
+        const Request& r = *op.request;
+        if (op.target >= r.targets.size()) return nullptr;
+        PeerState* p = r.targets[op.target]->state;
+        if (p == nullptr || p->paths.size() <= op.nic) return nullptr;
+        return &p->paths[op.nic];
+    }
+
     void finish_op(OpCtx& op) {
         if (op.kind == 0) {
             completed_.fetch_add(1, std::memory_order_relaxed);
-            bytes_.fetch_add(op.len, std::memory_order_relaxed);
+            bytes_.fetch_add(op.mode == OpCtx::kImmOnly ? 0 : op.len, std::memory_order_relaxed);
             // a completed work request is a sign of life (a probe can sit behind megabytes of
             // data on a transport with one stream per peer, such as tcp)
             PeerState* p = op.request->targets[op.target]->state;
@@ -805,6 +967,11 @@ class Engine {
         if (op.kind == 1 && op.src != 0) {  // the send's bounce slot is free again
             free_slots_.push_back(static_cast<uint32_t>(op.src - 1));
             op.src = 0;
+        }
+        if (op.retry != nullptr) {  // a bytes-only retry that ends here (done, or failed)
+            RetryBatch* b = op.retry;
+            op.retry = nullptr;
+            batch_step(b);
         }
         Request& r = *op.request;
         op.state = OpCtx::kSettled;
@@ -840,12 +1007,341 @@ class Engine {
             } else if (buf[0] == kFramePing) {
                 // The answer leaves after everything this engine posted to the pinger before it,
                 // on the same stream where the transport has one (tcp): fence() relies on it.
-                send_frame(kFramePong, from, nullptr, nullptr, nonce);
+                // So frames still queued for it go first, and while any is, no answer: the
+                // pinger asks again.
+                if (flush_outbox(&from)) send_frame(kFramePong, from, nullptr, nullptr, nonce);
             } else if (buf[0] == kFramePong && it != peer_state_.end()) {
                 it->second.answered = std::max(it->second.answered, nonce);
+            } else if (len >= body + sizeof(nonce)) {
+                const char* extra = buf + body + sizeof(nonce);
+                size_t elen = len - body - sizeof(nonce);
+                if (buf[0] == kFrameHello) {
+                    got_hello(from, nonce, extra, elen);
+                } else if (buf[0] == kFrameHelloAck && it != peer_state_.end() && elen >= 9) {
+                    PeerState& p = it->second;
+                    if (p.session == nonce && !p.session_ok) {
+                        p.session_ok = true;
+                        std::memcpy(&p.peer_incarnation, extra, 8);
+                        p.reconcilable = extra[8] != 0;
+                        if (p.paths.size() != nics_.size()) p.paths.resize(nics_.size());
+                        for (auto& path : p.paths) path.tx = PowerSums{};
+                    }
+                } else if (buf[0] == kFrameQuery && elen >= 1) {
+                    queries_.push_back(Query{from, nonce, uint8_t(extra[0])});
+                } else if (buf[0] == kFrameCounts && it != peer_state_.end()) {
+                    PeerState& p = it->second;
+                    for (uint32_t k = 1; k < p.paths.size(); k++)
+                        if (p.paths[k].querying && nonce >= p.paths[k].query_first && nonce <= p.paths[k].query_nonce)
+                            reconcile(p, k, extra, elen);
+                }
             }
         }
         nics_[0]->post_recv(recv_buf(op.src), frame_, recv_desc_, &op);
+    }
+
+    // --- NIC loss -----------------------------------------------------------------------
+    // A sender's hello: its NIC addresses. Its imms on NICs > 0 are attributed to it from
+    // now on (each address resolved to the handle the domain reports as their source); a
+    // new session starts its counts afresh.
+    void got_hello(const std::string& from, uint64_t session, const char* extra, size_t len) {
+        if (len < 9) return;
+        PeerState& p = state_for(from);
+        if (p.paths.size() != nics_.size()) p.paths.resize(nics_.size());
+        size_t count = uint8_t(extra[8]), off = 9;
+        std::vector<std::string> addrs;
+        for (size_t i = 0; i < count && off < len; i++) {
+            size_t alen = uint8_t(extra[off]);
+            if (off + 1 + alen > len) return;  // malformed
+            addrs.emplace_back(extra + off + 1, alen);
+            off += 1 + alen;
+        }
+        if (p.rx_session != session) {
+            for (auto& path : p.paths) path.rx = PowerSums{};
+            p.rx_session = session;
+        }
+        if (p.nic_addrs.size() < nics_.size()) p.nic_addrs.resize(nics_.size());
+        for (uint32_t k = 1; k < nics_.size() && k < addrs.size(); k++) {
+            uint64_t handle = 0;
+            if (!resolve(k, addrs[k], handle)) continue;
+            p.nic_addrs[k] = addrs[k];
+            attrib_[k][handle] = &p;
+            p.paths[k].unattributed_at_hello = unattributed_[k];
+        }
+        std::string ack(9, '\0');
+        std::memcpy(&ack[0], &incarnation_, 8);
+        ack[8] = static_cast<char>(attributes_ ? 1 : 0);
+        send_or_queue(kFrameHelloAck, from, session, std::move(ack));
+    }
+
+    // Answers (to a hello, a count query) must not be lost to a provider that cannot take a
+    // send yet (a connection still coming up: -EAGAIN): they wait in the outbox, in order.
+    void send_or_queue(char type, const std::string& to, uint64_t nonce, std::string extra) {
+        bool queued = std::any_of(outbox_.begin(), outbox_.end(), [&](const OutFrame& f) { return f.to == to; });
+        int error = 0;
+        if (!queued && send_frame(type, to, nullptr, &error, nonce, false, extra)) return;
+        if (queued || error == 0 || error == -EAGAIN) outbox_.push_back(OutFrame{type, to, nonce, std::move(extra)});
+    }
+
+    // Sends what the outbox holds (for ``to`` only, if given); true if none of it is left.
+    bool flush_outbox(const std::string* to = nullptr) {
+        bool clear = true;
+        std::vector<std::string> blocked;  // peers whose earlier frame is still waiting
+        std::vector<OutFrame> left;
+        for (auto& f : outbox_) {
+            bool mine = to == nullptr || f.to == *to;
+            bool behind = std::find(blocked.begin(), blocked.end(), f.to) != blocked.end();
+            int error = 0;
+            if (!mine || behind || !send_frame(f.type, f.to, nullptr, &error, f.nonce, false, f.extra)) {
+                if (mine && !behind && error != 0 && error != -EAGAIN) continue;  // refused: dropped
+                if (mine) clear = false;
+                if (!behind) blocked.push_back(f.to);
+                left.push_back(std::move(f));
+            }
+        }
+        outbox_.swap(left);
+        return clear;
+    }
+
+    // A write failed (``posted``: the provider took it, so it may have landed all the same)
+    // on a path that NIC loss handles: the path goes down for a while and the write is
+    // retried on another NIC, at once for bytes only (idempotent), after reconciliation for a
+    // WriteImm. Returns false where the failure is the request's (NIC 0, a refused key, a
+    // request already ended): the caller fails the op as before.
+    bool path_lost(OpCtx& op, int32_t status, const std::string& message, bool posted) {
+        if (op.kind != 0 || op.nic == 0 || status == kRemoteAccess || op.request->abandoned) return false;
+        Request& r = *op.request;
+        if (op.target >= r.targets.size() || r.targets[op.target]->state == nullptr) return false;
+        PeerState& p = *r.targets[op.target]->state;
+        if (p.lost || p.paths.size() <= op.nic) return false;
+        PathState& path = p.paths[op.nic];
+        if (now_ >= path.down_until) {  // newly down: a fresh connection when it is tried again
+            path.down_until = now_ + path_retry_after();
+            evict_path(p, op.nic);
+            last_path_error_ = message;
+        }
+        retries_.fetch_add(1, std::memory_order_relaxed);
+        bool imm = op_imm(op);
+        if (imm && posted) {
+            op.state = OpCtx::kQueued;
+            path.failed.push_back(&op);  // reconciled once the path is quiet (tick)
+            return true;
+        }
+        requeue(op);  // bytes only, or never posted: retried as it is
+        return true;
+    }
+
+    Clock::duration path_retry_after() const {
+        return probe_interval_ == Clock::duration::max() ? std::chrono::seconds(1)
+                                                         : std::max<Clock::duration>(probe_interval_, kPathRetryMin);
+    }
+
+    void requeue(OpCtx& op) {
+        op.state = OpCtx::kQueued;
+        pending_[op.nic].push_back(&op);  // post() moves it off a path that is down
+    }
+
+    // Forget the peer's address on NIC ``n`` only (the provider's connection there is dead),
+    // and resolve it again at once: the handle is also how its imms are attributed here.
+    void evict_path(PeerState& p, uint32_t n) {
+        if (n >= p.nic_addrs.size() || p.nic_addrs[n].empty()) return;
+        const std::string& a = p.nic_addrs[n];
+        if (!forget_address(n, a)) return;
+        epoch_++;
+        uint64_t handle = 0;
+        if (resolve(n, a, handle) && p.rx_session != 0) attrib_[n][handle] = &p;
+    }
+
+    void attribute(uint32_t nic, uint64_t src, uint32_t imm) {
+        auto& m = attrib_[nic];
+        auto it = m.find(src);
+        if (it == m.end()) {
+            unattributed_[nic]++;
+            return;
+        }
+        PeerState& p = *it->second;
+        if (p.paths.size() <= nic) p.paths.resize(nics_.size());
+        p.paths[nic].rx.add(imm);
+    }
+
+    // A bytes-only retry of ``b`` ended: once all have, the carriers post their make-up imms.
+    void batch_step(RetryBatch* b) {
+        if (b->left > 0) b->left--;
+        if (b->left > 0) return;
+        std::vector<OpCtx*> carriers;
+        carriers.swap(b->carriers);
+        batches_.remove_if([b](const std::unique_ptr<RetryBatch>& x) { return x.get() == b; });
+        for (OpCtx* c : carriers) {
+            c->carrier = false;
+            c->mode = OpCtx::kImmOnly;
+            makeups_.fetch_add(1, std::memory_order_relaxed);
+            if (c->request->abandoned) {
+                settle(*c);
+            } else {
+                requeue(*c);
+            }
+        }
+    }
+
+    // Starts (or repeats) the hello of a session with ``p``: this engine's NIC addresses, so
+    // that ``p`` attributes the imms it counts from them. Not while WriteImms of an older
+    // session are in flight to it on NICs > 0 (their counts belong to that session).
+    void start_hello(PeerState& p) {
+        if (p.lost || p.session_ok) return;
+        if (p.hello_sent != Clock::time_point{} && now_ - p.hello_sent < kFenceRetry) return;
+        for (const auto& path : p.paths)
+            if (path.imm_busy > 0 || !path.failed.empty()) return;
+        if (p.session == 0) p.session = incarnation_ + (++session_seq_ << 1);
+        std::string extra(sizeof(uint64_t), '\0');
+        std::memcpy(&extra[0], &incarnation_, sizeof(uint64_t));
+        extra.push_back(static_cast<char>(nics_.size()));
+        for (const auto& d : nics_) {
+            std::string a = d->address();
+            if (a.size() > 255) return;  // cannot be told: NICs > 0 stay off for its WriteImms
+            extra.push_back(static_cast<char>(a.size()));
+            extra += a;
+        }
+        send_or_queue(kFrameHello, p.address, p.session, std::move(extra));
+        p.hello_sent = now_;
+    }
+
+    void end_session(PeerState& p) {
+        p.session_ok = false;
+        p.session = 0;
+        p.hello_sent = Clock::time_point{};
+    }
+
+    // tick: reconcile quiet paths with failures, answer the peers' count queries.
+    void nic_loss_tick() {
+        for (auto& [addr, p] : peer_state_) {
+            for (uint32_t k = 1; k < p.paths.size(); k++) {
+                PathState& path = p.paths[k];
+                if (path.failed.empty()) continue;
+                // requests that ended meanwhile (deadline, cancel): nothing to retry
+                auto ended = std::stable_partition(path.failed.begin(), path.failed.end(),
+                                                   [](OpCtx* op) { return !op->request->abandoned; });
+                std::vector<OpCtx*> gone(ended, path.failed.end());
+                path.failed.erase(ended, path.failed.end());
+                for (OpCtx* op : gone) settle(*op);
+                if (path.failed.empty()) {
+                    path.querying = false;
+                    continue;
+                }
+                if (path.imm_busy > 0) continue;  // not quiet yet
+                if (!p.session_ok || !p.reconcilable) {
+                    fail_path(p, k, "its NIC " + std::to_string(k) + " was lost (" + last_path_error_ +
+                                        ") and the peer cannot tell which of its WriteImms it counted");
+                    continue;
+                }
+                if (path.querying && now_ - path.query_sent < kFenceRetry) continue;
+                // (asked again with a new nonce; any answer of this round will do: each was
+                // asked once the path was quiet)
+                path.query_nonce = ++query_nonce_;
+                if (!path.querying) path.query_first = path.query_nonce;
+                std::string extra(1, static_cast<char>(k));
+                if (send_frame(kFrameQuery, p.address, nullptr, nullptr, path.query_nonce, false, extra)) {
+                    path.querying = true;
+                    path.query_sent = now_;
+                }
+            }
+        }
+        if (queries_.empty()) return;
+        // Everything the peer had counted before asking is in the CQs: take it all first.
+        for (int i = 0; i < 64 && poll_all(); i++) {
+        }
+        std::vector<Query> queries;
+        queries.swap(queries_);
+        for (const Query& q : queries) {
+            auto it = peer_state_.find(q.from);
+            uint8_t valid = 0;
+            PowerSums sums;
+            uint64_t session = 0;
+            if (it != peer_state_.end() && q.nic < nics_.size() && q.nic > 0 && attributes_) {
+                PeerState& p = it->second;
+                if (p.paths.size() <= q.nic) p.paths.resize(nics_.size());
+                session = p.rx_session;
+                sums = p.paths[q.nic].rx;
+                valid = session != 0 && unattributed_[q.nic] == p.paths[q.nic].unattributed_at_hello;
+            }
+            std::string extra(2 * sizeof(uint64_t) + 1 + sizeof(Sums), '\0');
+            std::memcpy(&extra[0], &session, sizeof(uint64_t));
+            std::memcpy(&extra[8], &incarnation_, sizeof(uint64_t));
+            extra[16] = static_cast<char>(valid);
+            std::memcpy(&extra[17], sums.s.data(), sizeof(Sums));
+            send_or_queue(kFrameCounts, q.from, q.nonce, std::move(extra));
+        }
+    }
+
+    // Fails every WriteImm waiting on path (p, k): what landed of them cannot be told.
+    void fail_path(PeerState& p, uint32_t k, const std::string& why) {
+        PathState& path = p.paths[k];
+        std::vector<OpCtx*> failed;
+        failed.swap(path.failed);
+        path.querying = false;
+        unreconciled_.fetch_add(failed.size(), std::memory_order_relaxed);
+        for (OpCtx* op : failed) {
+            op->state = OpCtx::kPosted;
+            fail_op(*op, kTransport, why);
+        }
+    }
+
+    // The peer's answer to a count query for path k: settle its failed WriteImms.
+    void reconcile(PeerState& p, uint32_t k, const char* body, size_t len) {
+        PathState& path = p.paths[k];
+        path.querying = false;
+        if (len < 17 + sizeof(Sums)) return;  // malformed: asked again
+        uint64_t session, incarnation;
+        std::memcpy(&session, body, 8);
+        std::memcpy(&incarnation, body + 8, 8);
+        bool valid = body[16] != 0;
+        PowerSums rx;
+        std::memcpy(rx.s.data(), body + 17, sizeof(Sums));
+        std::map<uint32_t, uint64_t> counts;
+        for (OpCtx* op : path.failed) counts[op->request->imm]++;
+        std::optional<std::map<uint32_t, uint64_t>> landed;
+        if (valid && p.session_ok && session == p.session && incarnation == p.peer_incarnation)
+            landed = landed_per_imm(rx.minus(path.tx), counts);
+        if (!landed && std::getenv("FABRIC_DEBUG_RECONCILE")) {
+            fprintf(stderr, "reconcile fail: valid=%d ok=%d sess=%d inc=%d failed=%zu\n", int(valid), int(p.session_ok),
+                    int(session == p.session), int(incarnation == p.peer_incarnation), path.failed.size());
+            for (auto& [x, n] : counts) fprintf(stderr, "  imm %u x%llu\n", x, (unsigned long long)n);
+        }
+        if (!landed) {
+            end_session(p);  // a fresh session before NICs > 0 carry its WriteImms again
+            fail_path(p, k, "its NIC " + std::to_string(k) + " was lost (" + last_path_error_ +
+                                ") and the peer's counts do not tell which of its WriteImms landed");
+            return;
+        }
+        for (const auto& [x, n] : *landed) {
+            path.tx.add(x, n);  // counted there: agree again
+            landed_unacked_.fetch_add(n, std::memory_order_relaxed);
+        }
+        reconciled_.fetch_add(path.failed.size(), std::memory_order_relaxed);
+        std::map<uint32_t, uint64_t> short_by;
+        for (const auto& [x, n] : counts) short_by[x] = n - (*landed)[x];
+        std::vector<OpCtx*> failed;
+        failed.swap(path.failed);
+        RetryBatch* batch = nullptr;
+        for (OpCtx* op : failed) {
+            uint32_t x = op->request->imm;
+            if ((*landed)[x] == counts[x]) {  // every one of this imm landed
+                op->state = OpCtx::kPosted;
+                finish_op(*op);
+                continue;
+            }
+            // the bytes again, without imm; the make-up imms once all of them are in place
+            if (batch == nullptr) {
+                batches_.push_back(std::make_unique<RetryBatch>());
+                batch = batches_.back().get();
+            }
+            op->mode = OpCtx::kBytesOnly;
+            op->retry = batch;
+            batch->left++;
+            if (short_by[x] > 0) {
+                short_by[x]--;
+                op->carrier = true;
+            }
+            requeue(*op);
+        }
     }
 
     // --- failure detection --------------------------------------------------------------
@@ -859,6 +1355,7 @@ class Engine {
         if (fresh) {
             it->second.address = address;
             it->second.heard = now_;  // a new peer gets an interval before it is probed
+            it->second.paths.resize(nics_.size());
         }
         return it->second;
     }
@@ -877,8 +1374,16 @@ class Engine {
     // not be posted now (no slot, a full NIC: the next tick tries again) or the peer refused.
     // ``about``: the peer a ping probes (its failure then says the peer is gone); null: a pong.
     bool send_frame(char type, const std::string& to, PeerState* about = nullptr, int* error = nullptr,
-                    uint64_t nonce = 0, bool fencing = false) {
+                    uint64_t nonce = 0, bool fencing = false, const std::string& extra = std::string()) {
+        if (ClosedSet::instance().contains(to)) {  // an endpoint of this process, closed: its
+            if (error) *error = -EHOSTUNREACH;      // memory is gone (shm), nothing may reach it
+            return false;
+        }
         if (free_slots_.empty()) return false;
+        if (2 + std::min<size_t>(self_address_.size(), 255) + sizeof(nonce) + extra.size() > frame_) {
+            if (error) *error = -EMSGSIZE;  // max_send_size too small for it: never sent
+            return false;
+        }
         uint64_t handle = 0;
         if (!resolve(0, to, handle)) {
             if (error) *error = -EHOSTUNREACH;
@@ -904,7 +1409,8 @@ class Engine {
         slot[1] = static_cast<char>(alen);
         std::memcpy(slot + 2, self_address_.data(), alen);
         std::memcpy(slot + 2 + alen, &nonce, sizeof(nonce));
-        int rc = nics_[0]->post_send(slot, alen + 2 + sizeof(nonce), send_desc_, handle, op);
+        if (!extra.empty()) std::memcpy(slot + 2 + alen + sizeof(nonce), extra.data(), extra.size());
+        int rc = nics_[0]->post_send(slot, alen + 2 + sizeof(nonce) + extra.size(), send_desc_, handle, op);
         if (rc != 0) {
             release_probe(*op);
             if (error) *error = rc;
@@ -959,19 +1465,31 @@ class Engine {
         }
     }
 
+    // Drops address ``a`` from NIC ``n``'s address vector (and what hangs on its handle);
+    // false if it was not there.
+    bool forget_address(uint32_t n, const std::string& a) {
+        auto it = peers_[n].find(a);
+        if (it == peers_[n].end()) return false;
+        attrib_[n].erase(it->second);
+        try {
+            nics_[n]->remove_peer(it->second);
+        } catch (...) {
+        }
+        peers_[n].erase(it);
+        return true;
+    }
+
     void evict(PeerState& p) {
         for (uint32_t n = 0; n < nics_.size(); n++) {
             const std::string& a = n == 0 ? p.address : (n < p.nic_addrs.size() ? p.nic_addrs[n] : std::string());
-            if (a.empty()) continue;
-            auto it = peers_[n].find(a);
-            if (it == peers_[n].end()) continue;
-            try {
-                nics_[n]->remove_peer(it->second);
-            } catch (...) {
-            }
-            peers_[n].erase(it);
+            if (!a.empty()) forget_address(n, a);
         }
         epoch_++;
+        // It may have restarted, or dropped this engine's addresses: a new session (hello)
+        // before its WriteImms use NICs > 0 again. Its own imms here go unattributed until
+        // it says hello again.
+        end_session(p);
+        p.rx_session = 0;
     }
 
     // Completes ``r`` now with ``status``; its posted WRs are reaped as the provider reports
@@ -1010,6 +1528,12 @@ class Engine {
         std::string message = "peer lost: " + why;
         for (auto& [id, r] : live_)
             if (!r->abandoned && depends_on(*r, p.address)) abandon(*r, kPeerUnreachable, message);
+        for (auto& path : p.paths) {  // WriteImms awaiting reconciliation: their requests ended
+            std::vector<OpCtx*> failed;
+            failed.swap(path.failed);
+            path.querying = false;
+            for (OpCtx* op : failed) settle(*op);
+        }
         bool fresh = !p.lost;
         if (fresh) peers_lost_++;
         p.lost = true;
@@ -1025,12 +1549,15 @@ class Engine {
     // Every kTick: deadlines, and the liveness of the peers that work depends on.
     void tick() {
         last_tick_ = now_;
+        if (!outbox_.empty()) flush_outbox();
+        if (nics_.size() > 1) nic_loss_tick();
         // fence() probes: sent, and sent again every kFenceRetry until answered (a connection
         // the transport tore down loses what was queued on it: the probe is then retried on a
         // fresh one, its state reset by the failure).
         for (auto& f : fences_) {
             PeerState& p = state_for(f.address);
             if (p.answered >= f.nonce || now_ - f.sent < kFenceRetry) continue;
+            if (!flush_outbox(&f.address)) continue;  // the probe goes behind what is queued
             int error = 0;
             if (send_frame(kFramePing, f.address, &p, &error, f.nonce, true)) {
                 f.sent = now_;
@@ -1173,6 +1700,7 @@ class Engine {
     std::mt19937_64 rng_;
     MpscQueue<Request> queue_;
     std::vector<std::deque<OpCtx*>> pending_;
+    std::vector<Clock::time_point> stalled_since_;  // per NIC: its queue's head met -EAGAIN since
     std::vector<std::unordered_map<std::string, uint64_t>> peers_;
     std::unordered_map<uint64_t, std::unique_ptr<Request>> live_;
     static constexpr size_t kCoalesce = 32;
@@ -1190,7 +1718,9 @@ class Engine {
     size_t frame_;  // a control frame: the type byte and up to max_send_ bytes
     char* recv_buf(size_t i) { return recv_arena_.data() + i * frame_; }
     char* send_slot(size_t i) { return send_arena_.data() + i * frame_; }
-    static constexpr char kFrameUser = 0, kFramePing = 1, kFramePong = 2;
+    static constexpr char kFrameUser = 0, kFramePing = 1, kFramePong = 2, kFrameHello = 3, kFrameHelloAck = 4,
+                          kFrameQuery = 5, kFrameCounts = 6;
+    static constexpr int kRerouted = 1;  // post(): the op moved to another NIC's queue
     std::string self_address_;
     // failure detection (worker only)
     static constexpr auto kTick = std::chrono::milliseconds(10);
@@ -1215,6 +1745,28 @@ class Engine {
     std::vector<OpCtx*> free_probes_;
     std::vector<std::pair<std::string, std::string>> lost_;
     std::vector<std::string> revived_;
+    // NIC loss (worker only)
+    static constexpr auto kPathRetryMin = std::chrono::milliseconds(200);
+    std::vector<std::unordered_map<uint64_t, PeerState*>> attrib_;  // per NIC: source handle -> sender
+    std::vector<uint64_t> unattributed_;  // per NIC: imms counted whose sender could not be told
+    bool attributes_ = true;              // every NIC > 0 reports imm sources
+    uint64_t incarnation_ = 0;            // random per engine: a restart shows in hellos and answers
+    uint64_t session_seq_ = 0, query_nonce_ = 0;
+    struct Query {
+        std::string from;
+        uint64_t nonce;
+        uint8_t nic;
+    };
+    std::vector<Query> queries_;  // count queries to answer at the next tick
+    struct OutFrame {
+        char type;
+        std::string to;
+        uint64_t nonce;
+        std::string extra;
+    };
+    std::vector<OutFrame> outbox_;  // answers the provider could not take yet
+    std::list<std::unique_ptr<RetryBatch>> batches_;
+    std::string last_path_error_;
     static constexpr uint32_t kSendSlots = 64;
     std::vector<char> recv_arena_;
     std::vector<char> send_arena_;
@@ -1236,7 +1788,8 @@ class Engine {
     std::atomic<bool> stop_{false};
     std::mutex close_mu_;
     std::atomic<uint64_t> posted_{0}, completed_{0}, bytes_{0}, eagain_{0};
-    std::atomic<uint64_t> probes_{0}, peers_lost_{0}, timeouts_{0};
+    std::atomic<uint64_t> probes_{0}, peers_lost_{0}, timeouts_{0}, retries_{0};
+    std::atomic<uint64_t> reconciled_{0}, landed_unacked_{0}, makeups_{0}, unreconciled_{0};
     std::thread worker_;
 };
 

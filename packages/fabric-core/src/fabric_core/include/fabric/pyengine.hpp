@@ -273,6 +273,11 @@ class PyEngine {
         d["probes"] = s.probes;
         d["peers_lost"] = s.peers_lost;
         d["timeouts"] = s.timeouts;
+        d["retries"] = s.retries;
+        d["reconciled"] = s.reconciled;
+        d["landed_unacked"] = s.landed_unacked;
+        d["makeups"] = s.makeups;
+        d["unreconciled"] = s.unreconciled;
         return d;
     }
 
@@ -344,6 +349,8 @@ class PyEngine {
                     p.probe_out_s < 0 ? py::object(py::none()) : py::object(py::float_(p.probe_out_s));
                 v["probes"] = p.probes;
                 v["lost"] = p.lost;
+                v["session"] = p.session;
+                v["down_nics"] = p.down_nics;
                 peers.append(v);
             }
             d["inflight_work_requests"] = e.inflight_wrs;

@@ -27,42 +27,14 @@
 #include <vector>
 
 #include "engine.hpp"
+#include "closed.hpp"
 #include "plan.hpp"
 
 namespace fabric::fast {
 
 namespace py = pybind11;
 
-// Endpoint addresses closed in this process. Writing to one of them would touch freed provider
-// state on providers whose addresses name their process (shm), so such writes take the slow
-// path, which fails them with PeerUnreachable.
-class ClosedSet {
-  public:
-    void add(const std::string& a) {
-        std::lock_guard<std::mutex> lock(mu_);
-        set_.insert(a);
-        epoch_.fetch_add(1, std::memory_order_release);
-    }
-    void remove(const std::string& a) {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (set_.erase(a)) epoch_.fetch_add(1, std::memory_order_release);
-    }
-    bool contains(const std::string& a) const {
-        std::lock_guard<std::mutex> lock(mu_);
-        return set_.count(a) != 0;
-    }
-    uint64_t epoch() const { return epoch_.load(std::memory_order_acquire); }
-
-    static ClosedSet& instance() {
-        static ClosedSet set;
-        return set;
-    }
-
-  private:
-    mutable std::mutex mu_;
-    std::unordered_set<std::string> set_;
-    std::atomic<uint64_t> epoch_{1};
-};
+using fabric::ClosedSet;  // (fabric/closed.hpp)
 
 struct Classes {
     py::object sharded, pinned, shard_peers, descriptor;
