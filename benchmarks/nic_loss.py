@@ -1,11 +1,13 @@
 """What losing a NIC mid-stream costs: two network-namespace hosts on two rails (efa backend
 on tcp;ofi_rxm, one NIC per rail), host 0 streaming sharded WriteImms to host 1.
 
-Per repetition, on a fresh lab: a baseline stream (no fault), then the same stream with host
-0's NIC 1 failing (``NetnsLab.nic_fail``: its TCP connections reset, new ones refused) once a
-third of it is submitted. Reported: each stream's time from first submit to last completion,
-the extra time the fault cost (median over repetitions, fault minus baseline of the same
-repetition), the work requests retried, and whether the target counted exactly
+Host 0's rails are rate-limited (``--mbit``, 200 Mbit/s each by default) so that the stream
+is still in flight when the fault hits. Per repetition, on a fresh lab: a baseline stream
+(no fault), then the same stream with host 0's NIC 1 failing (``NetnsLab.nic_fail``: its TCP
+connections reset, new ones refused) once a third of it is submitted. Reported: each
+stream's time from first submit to last completion, the extra time the fault cost (median
+over repetitions, fault minus baseline of the same repetition), what the stream takes on
+one rail alone, the work requests retried, and whether the target counted exactly
 ``imms_at_target`` per imm and every byte landed (it must: the failure contract's "Losing a
 NIC"). Needs root, iproute2 and nftables.
 
@@ -76,6 +78,8 @@ def _rep(args: Any, live: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
         pool = WorkerPool(workers=0, arena_bytes=1 << 28)
         try:
             a, b = lab.engine(pool, 0, nics=2, **live), lab.engine(pool, 1, nics=2, **live)
+            for rail in (0, 1):  # so the stream is still in flight when the NIC goes
+                lab.rate_limit(0, args.mbit, rail)
             nbytes = 64 * MiB
             src, dst = pool.alloc(nbytes), pool.alloc(nbytes)
             src[:] = np.random.default_rng(5).integers(0, 256, nbytes, dtype=np.uint8)
@@ -95,8 +99,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--size", type=int, default=1 * MiB, help="bytes per transfer")
     ap.add_argument("--count", type=int, default=48, help="transfers per stream")
+    ap.add_argument("--mbit", type=float, default=200.0, help="rate limit of each of host 0's rails")
     ap.add_argument("--interval", type=float, default=0.2)
-    ap.add_argument("--timeout", type=float, default=1.0)
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=5.0,
+        help="liveness_timeout_s: above the time NIC 0 takes to drain what is queued ahead of a probe",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     reason = netns_unavailable()
@@ -116,6 +126,7 @@ def main() -> None:
         "(efa on tcp;ofi_rxm, netns hosts on two rails)",
         "transfer_bytes": args.size,
         "transfers": args.count,
+        "rail_mbit": args.mbit,
         "liveness_interval_s": args.interval,
         "liveness_timeout_s": args.timeout,
         "reps": reps,
@@ -123,6 +134,9 @@ def main() -> None:
         "median_nic_lost_s": statistics.median(r["nic_lost"]["seconds"] for r in reps),
         "median_extra_s": statistics.median(r["extra_s"] for r in reps),
         "max_extra_s": max(r["extra_s"] for r in reps),
+        # what the stream takes on one rail alone (the fault hits early: nearly all of it is
+        # left to NIC 0), against which the NIC-lost time is measured
+        "one_rail_s": args.count * args.size * 8 / (args.mbit * 1e6),
         "all_exact": all(r["nic_lost"]["exact_counts"] and r["nic_lost"]["bytes_landed"] for r in reps),
         "host": platform.node(),
     }

@@ -109,6 +109,11 @@ struct OpCtx;
 struct PathState {
     Clock::time_point down_until{};  // avoided until then (its NIC failed work requests)
     size_t imm_busy = 0;             // WriteImms posted on it and not yet reported
+    size_t busy = 0;                 // work requests posted on it and not yet reported
+    uint32_t fails = 0;              // times it went down with no success since: each doubles
+                                     // how long it is avoided, and a path that failed is given
+                                     // up on sooner when tried again (stall_limit)
+    Clock::time_point progress{};    // its last completion (or when it last became busy)
     std::vector<OpCtx*> failed;      // WriteImms lost with it, awaiting reconciliation
     bool querying = false;           // a count query is out (nonces query_first .. query_nonce)
     uint64_t query_first = 0, query_nonce = 0;
@@ -758,7 +763,7 @@ class Engine {
                     // requests, never posted, move to another NIC.
                     if (stalled_since_[n] == Clock::time_point{}) {
                         stalled_since_[n] = now_;
-                    } else if (n > 0 && op->kind == 0 && now_ - stalled_since_[n] >= probe_timeout_ &&
+                    } else if (n > 0 && op->kind == 0 && now_ - stalled_since_[n] >= stall_limit(path_of(*op)) &&
                                path_lost(*op, kTransport, "the provider refused every work request for it", false)) {
                         q.pop_front();
                         stalled_since_[n] = Clock::time_point{};
@@ -842,7 +847,10 @@ class Engine {
         w.has_imm = imm;
         w.imm = r.imm;
         int rc = nics_[n]->post_write(w, &op);
-        if (rc == 0 && imm && path) path->imm_busy++;
+        if (rc == 0 && path) {
+            if (imm) path->imm_busy++;
+            if (path->busy++ == 0) path->progress = now_;
+        }
         return rc;
     }
 
@@ -888,7 +896,10 @@ class Engine {
             }
             if (op->kind == 0) {
                 PathState* path = self->path_of(*op);
-                if (path != nullptr && op_imm(*op) && path->imm_busy > 0) path->imm_busy--;
+                if (path != nullptr) {
+                    self->path_reported(*path);
+                    if (op_imm(*op) && path->imm_busy > 0) path->imm_busy--;
+                }
                 if (self->path_lost(*op, status, message, true)) return;  // to be retried
             }
             // (before fail_op, which may free the op's request)
@@ -909,9 +920,13 @@ class Engine {
     // A write's successful completion (from a domain's poll).
     void write_done(OpCtx& op) {
         PathState* path = path_of(op);
-        if (path != nullptr && op_imm(op)) {
-            if (path->imm_busy > 0) path->imm_busy--;
-            path->tx.add(op.request->imm);
+        if (path != nullptr) {
+            path_reported(*path);
+            path->fails = 0;  // it works
+            if (op_imm(op)) {
+                if (path->imm_busy > 0) path->imm_busy--;
+                path->tx.add(op.request->imm);
+            }
         }
         if (op.retry != nullptr && op.carrier && !op.request->abandoned) {
             // its bytes are in place: it carries a make-up imm once the whole batch's are
@@ -926,12 +941,18 @@ class Engine {
         finish_op(op);
     }
 
+    void path_reported(PathState& path) {
+        if (path.busy > 0) path.busy--;
+        path.progress = now_;
+    }
+
     static bool op_imm(const OpCtx& op) {
         return op.kind == 0 &&
                (op.mode == OpCtx::kImmOnly || (op.request->has_imm && op.mode == OpCtx::kAsPlanned));
     }
 
-    // The path a write went on, where NIC loss tracks it (NICs > 0 of a multi-NIC engine).
+    // The path a write goes (or went) on, where NIC loss tracks it (NICs > 0 of a multi-NIC
+    // engine).
     PathState* path_of(const OpCtx& op) {
         if (op.kind != 0 || op.nic == 0) return nullptr;
         const Request& r = *op.request;
@@ -1026,6 +1047,13 @@ class Engine {
                         if (p.paths.size() != nics_.size()) p.paths.resize(nics_.size());
                         for (auto& path : p.paths) path.tx = PowerSums{};
                     }
+                } else if (buf[0] == kFramePathReset && it != peer_state_.end() && elen >= 1) {
+                    // The peer lost its NIC k path to this engine: drop this side's connection
+                    // state for its address there too, or a half-dead connection it cannot
+                    // see may keep refusing the one it makes next.
+                    uint32_t k = uint8_t(extra[0]);
+                    PeerState& p = it->second;
+                    if (k > 0 && k < nics_.size()) reset_path(p, k);
                 } else if (buf[0] == kFrameQuery && elen >= 1) {
                     queries_.push_back(Query{from, nonce, uint8_t(extra[0])});
                 } else if (buf[0] == kFrameCounts && it != peer_state_.end()) {
@@ -1115,7 +1143,7 @@ class Engine {
         if (p.lost || p.paths.size() <= op.nic) return false;
         PathState& path = p.paths[op.nic];
         if (now_ >= path.down_until) {  // newly down: a fresh connection when it is tried again
-            path.down_until = now_ + path_retry_after();
+            path.down_until = now_ + path_retry_after() * (1u << std::min<uint32_t>(path.fails++, 4));
             evict_path(p, op.nic);
             last_path_error_ = message;
         }
@@ -1130,6 +1158,14 @@ class Engine {
         return true;
     }
 
+    // How long a path may refuse or sit on work requests before it counts as lost: as long
+    // as a peer may leave a probe unanswered; once it has failed (and not recovered), one
+    // retry interval, so that trying a dead path again costs little.
+    Clock::duration stall_limit(const PathState* path) const {
+        if (path != nullptr && path->fails > 0) return std::min(probe_timeout_, path_retry_after());
+        return probe_timeout_;
+    }
+
     Clock::duration path_retry_after() const {
         return probe_interval_ == Clock::duration::max() ? std::chrono::seconds(1)
                                                          : std::max<Clock::duration>(probe_interval_, kPathRetryMin);
@@ -1140,9 +1176,16 @@ class Engine {
         pending_[op.nic].push_back(&op);  // post() moves it off a path that is down
     }
 
-    // Forget the peer's address on NIC ``n`` only (the provider's connection there is dead),
-    // and resolve it again at once: the handle is also how its imms are attributed here.
+    // The path to ``p`` on NIC ``n`` is dead: forget the peer's address there (its connection),
+    // here and, through a control frame, at the peer.
     void evict_path(PeerState& p, uint32_t n) {
+        reset_path(p, n);
+        send_or_queue(kFramePathReset, p.address, 0, std::string(1, static_cast<char>(n)));
+    }
+
+    // Forgets the peer's address on NIC ``n`` only and resolves it again at once: the handle
+    // is also how its imms are attributed here.
+    void reset_path(PeerState& p, uint32_t n) {
         if (n >= p.nic_addrs.size() || p.nic_addrs[n].empty()) return;
         const std::string& a = p.nic_addrs[n];
         if (!forget_address(n, a)) return;
@@ -1215,6 +1258,19 @@ class Engine {
         for (auto& [addr, p] : peer_state_) {
             for (uint32_t k = 1; k < p.paths.size(); k++) {
                 PathState& path = p.paths[k];
+                if (path.busy > 0 && !p.lost && now_ >= path.down_until && now_ - path.progress >= stall_limit(&path)) {
+                    // Work requests outstanding on it and none completed for as long as a peer
+                    // may stay silent, while the peer itself answers (on NIC 0): the NIC went
+                    // quiet (a link down says nothing on tcp). Dropping the peer's address there
+                    // makes the provider fail what it holds (rxm closes the connection), and
+                    // those failures take the path down and are retried as any other.
+                    path.down_until = now_ + path_retry_after() * (1u << std::min<uint32_t>(path.fails++, 4));
+                    path.progress = now_;
+                    last_path_error_ = "no work request completed on it in " +
+                                       std::to_string(std::chrono::duration<double>(probe_timeout_).count()).substr(0, 5) +
+                                       " s";
+                    evict_path(p, k);
+                }
                 if (path.failed.empty()) continue;
                 // requests that ended meanwhile (deadline, cancel): nothing to retry
                 auto ended = std::stable_partition(path.failed.begin(), path.failed.end(),
@@ -1230,6 +1286,11 @@ class Engine {
                 if (!p.session_ok || !p.reconcilable) {
                     fail_path(p, k, "its NIC " + std::to_string(k) + " was lost (" + last_path_error_ +
                                         ") and the peer cannot tell which of its WriteImms it counted");
+                    continue;
+                }
+                if (2 + std::min<size_t>(p.address.size(), 255) + 8 + 17 + sizeof(Sums) > frame_) {
+                    fail_path(p, k, "its NIC " + std::to_string(k) + " was lost (" + last_path_error_ +
+                                        ") and max_send_size is too small for the peer's counts (1.3 KiB)");
                     continue;
                 }
                 if (path.querying && now_ - path.query_sent < kFenceRetry) continue;
@@ -1719,7 +1780,7 @@ class Engine {
     char* recv_buf(size_t i) { return recv_arena_.data() + i * frame_; }
     char* send_slot(size_t i) { return send_arena_.data() + i * frame_; }
     static constexpr char kFrameUser = 0, kFramePing = 1, kFramePong = 2, kFrameHello = 3, kFrameHelloAck = 4,
-                          kFrameQuery = 5, kFrameCounts = 6;
+                          kFrameQuery = 5, kFrameCounts = 6, kFramePathReset = 7;
     static constexpr int kRerouted = 1;  // post(): the op moved to another NIC's queue
     std::string self_address_;
     // failure detection (worker only)
