@@ -1595,6 +1595,9 @@ class Engine {
             path.querying = false;
             for (OpCtx* op : failed) settle(*op);
         }
+        // nothing queued for it goes out any more (a dead tcp peer answers -EAGAIN forever)
+        outbox_.erase(std::remove_if(outbox_.begin(), outbox_.end(), [&](const OutFrame& f) { return f.to == p.address; }),
+                      outbox_.end());
         bool fresh = !p.lost;
         if (fresh) peers_lost_++;
         p.lost = true;
