@@ -1159,10 +1159,12 @@ class Engine {
     }
 
     // How long a path may refuse or sit on work requests before it counts as lost: as long
-    // as a peer may leave a probe unanswered; once it has failed (and not recovered), one
-    // retry interval, so that trying a dead path again costs little.
+    // as a peer may leave a probe unanswered; once it has failed (and not recovered), at most
+    // a second (or a retry interval, if longer), so that trying a dead path again costs
+    // little, yet a connection being set up on a busy host is not given up on.
     Clock::duration stall_limit(const PathState* path) const {
-        if (path != nullptr && path->fails > 0) return std::min(probe_timeout_, path_retry_after());
+        if (path != nullptr && path->fails > 0)
+            return std::min(probe_timeout_, std::max<Clock::duration>(path_retry_after(), std::chrono::seconds(1)));
         return probe_timeout_;
     }
 
