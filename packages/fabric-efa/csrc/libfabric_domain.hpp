@@ -14,7 +14,6 @@
 #include <atomic>
 #include <cerrno>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <stdexcept>
@@ -124,7 +123,7 @@ class LibfabricDomain {
         hints->fabric_attr->prov_name = strdup(provider.c_str());
         // FI_SOURCE where the provider has it: an imm's source, for exact counts across a
         // lost NIC (fabric/engine.hpp, "NIC loss").
-        if (!std::getenv("FABRIC_EFA_NO_SOURCE")) hints->caps |= FI_SOURCE;
+        hints->caps |= FI_SOURCE;
         int rc = getinfo(hints, &info_, source);
         if (rc != 0) {
             hints->caps &= ~FI_SOURCE;

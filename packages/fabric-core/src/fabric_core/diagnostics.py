@@ -38,14 +38,16 @@ def track(engine: TransferEngine) -> None:
         _engines.add(engine)
 
 
+def open_engines() -> list[TransferEngine]:
+    """Every engine of this process that is still open."""
+    with _lock:
+        return [e for e in _engines if not e.closed]
+
+
 def dump_all() -> list[dict[str, Any]]:
     """``dump_state()`` of every open engine of this process."""
-    with _lock:
-        engines = list(_engines)
     out = []
-    for engine in engines:
-        if engine.closed:
-            continue
+    for engine in open_engines():
         try:
             out.append(engine.dump_state())
         except FabricError as exc:  # closed under us

@@ -20,11 +20,11 @@ import logging
 import struct
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from . import diagnostics
 from .api import EngineStats
 from .base import EngineBase, Registration
 from .counters import CounterTable, NativeCounterTable
@@ -80,15 +80,14 @@ _DRAIN_S = 0.002  # how long a waiter drains completions itself before sleeping 
 _completers = itertools.count(1)
 
 
-_open_engines: weakref.WeakSet[NativeEngine] = weakref.WeakSet()
-
-
 @atexit.register
 def _close_at_exit() -> None:
     """Close what is still open before the interpreter finalizes: a completion thread that is
     waiting in C++ (GIL released) when finalization starts is killed as it takes the GIL back,
     by an unwind through C++ frames that aborts the process (SIGABRT at exit)."""
-    for engine in list(_open_engines):
+    for engine in diagnostics.open_engines():
+        if not isinstance(engine, NativeEngine):
+            continue
         with contextlib.suppress(Exception):
             engine.close(timeout=1.0)
 
@@ -130,7 +129,6 @@ class NativeEngine(EngineBase):
             target=self._complete, name=f"fabric-{capabilities.backend}-completion-{n}", daemon=True
         )
         self._completer.start()
-        _open_engines.add(self)
 
     # --- the closed-endpoint table of guarded providers (see __init__) ----------------
     def _is_closed(self, address: bytes) -> bool:
@@ -245,7 +243,7 @@ class NativeEngine(EngineBase):
             submitted=self._stat_submitted + self._core.fast_submitted(),
             work_requests=int(core["completed_wrs"]),
             bytes_written=int(core["bytes_written"]),
-            retries=int(core.get("retries", 0)),
+            retries=int(core["retries"]),
         )
 
     # --- completion path: one GIL acquisition per batch ------------------------------

@@ -31,8 +31,10 @@
 //   void* local_desc(void* buf, size_t len);             // register engine-owned buffers
 //                                                        // for local access; their descriptor
 //   template <class Sink> size_t poll(Sink&);            // calls sink.on_*(...) per entry
+//   bool sources() const;                                // on_imm reports imm sources
 // Sink callbacks: on_write_done(ctx), on_send_done(ctx), on_recv(ctx, len),
-//                 on_imm(uint32_t imm), on_error(ctx, status, message).
+//                 on_imm(uint32_t imm, uint64_t src), on_error(ctx, status, message);
+//                 ``src`` is the sender's handle from insert_peer, or kNoSource.
 //
 // Failure (docs/concepts/failures.md). Every request has a deadline (its own, or the engine
 // default): past it, the request completes with kTimeout. A peer is lost when it leaves a
@@ -1363,11 +1365,6 @@ class Engine {
         std::optional<std::map<uint32_t, uint64_t>> landed;
         if (valid && p.session_ok && session == p.session && incarnation == p.peer_incarnation)
             landed = landed_per_imm(rx.minus(path.tx), counts);
-        if (!landed && std::getenv("FABRIC_DEBUG_RECONCILE")) {
-            fprintf(stderr, "reconcile fail: valid=%d ok=%d sess=%d inc=%d failed=%zu\n", int(valid), int(p.session_ok),
-                    int(session == p.session), int(incarnation == p.peer_incarnation), path.failed.size());
-            for (auto& [x, n] : counts) fprintf(stderr, "  imm %u x%llu\n", x, (unsigned long long)n);
-        }
         if (!landed) {
             end_session(p);  // a fresh session before NICs > 0 carry its WriteImms again
             fail_path(p, k, "its NIC " + std::to_string(k) + " was lost (" + last_path_error_ +
