@@ -134,6 +134,8 @@ class LibfabricDomain {
             throw LibfabricError("fi_getinfo(" + provider + (source.empty() ? "" : " at " + source) + ")", rc);
         sources_ = (info_->caps & FI_SOURCE) != 0;
         shm_ = info_->fabric_attr->prov_name && std::string(info_->fabric_attr->prov_name) == "shm";
+        stale_peers_ = info_->fabric_attr->prov_name &&
+                       std::string(info_->fabric_attr->prov_name).find("ofi_rxm") != std::string::npos;
         try {
             SignalGuard guard;
             check(fi_fabric(info_->fabric_attr, &fabric_, nullptr), "fi_fabric");
@@ -180,6 +182,11 @@ class LibfabricDomain {
 
     const std::string& address() const { return address_; }
     bool sources() const { return sources_; }
+    // rxm keeps a connection per peer, and one the peer dropped unseen (a reset this side
+    // never sent into) stays "connected" here: the peer's next connect from the same process
+    // is then refused (rxm: "simultaneous, reject peer") until this side sends on it and
+    // meets the reset. fi_av_remove does not close it (the connection holds the peer).
+    bool stale_peers() const { return stale_peers_; }
 
     // Fault injection (tests: the harness's kill_nic): while failed, every write this NIC
     // completes is reported failed (its bytes and imm landed: an acknowledgement lost with
@@ -371,6 +378,7 @@ class LibfabricDomain {
     fid_ep* ep_ = nullptr;
     std::mutex av_mu_;
     bool shm_ = false;  // the shm provider (see remove_peer)
+    bool stale_peers_ = false;  // connections over rxm (see stale_peers)
     bool sources_ = false;  // FI_SOURCE: completions name their source
     std::atomic<bool> failed_{false};  // inject_failure
     std::mutex inject_mu_;

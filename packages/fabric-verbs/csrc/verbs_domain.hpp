@@ -146,6 +146,9 @@ class VerbsDomain {
     // Imm sources are not reported yet (the QP number of a completion would say): a target on
     // verbs cannot reconcile a lost NIC's WriteImms, so its senders fail them instead.
     bool sources() const { return false; }
+    // No pokes (engine.hpp, the Domain concept): whether a queue pair the peer tore down
+    // stays usable-looking here until it sends is not measured on hardware yet.
+    bool stale_peers() const { return false; }
 
     uint64_t insert_peer(const std::string& raw) {
         auto it = by_addr_.find(raw);

@@ -32,6 +32,9 @@
 //                                                        // for local access; their descriptor
 //   template <class Sink> size_t poll(Sink&);            // calls sink.on_*(...) per entry
 //   bool sources() const;                                // on_imm reports imm sources
+//   bool stale_peers() const;                            // a connection the peer dropped may
+//                                                        // look alive here until this side
+//                                                        // sends on it (pokes, reset_path)
 // Sink callbacks: on_write_done(ctx), on_send_done(ctx), on_recv(ctx, len),
 //                 on_imm(uint32_t imm, uint64_t src), on_error(ctx, status, message);
 //                 ``src`` is the sender's handle from insert_peer, or kNoSource.
@@ -266,6 +269,7 @@ struct EngineDump {
     std::vector<PeerView> peers;
     size_t inflight_wrs = 0;
     std::vector<size_t> unposted_per_nic;
+    uint64_t pokes_sent = 0, pokes_received = 0;  // see Engine::poke
 };
 
 struct EngineStats {
@@ -312,6 +316,24 @@ class Engine {
             recv_ctx_[i].src = i;
             int rc = nics_[0]->post_recv(recv_buf(i), frame_, recv_desc_, &recv_ctx_[i]);
             if (rc != 0) throw std::runtime_error("posting control receive buffers failed: " + std::to_string(rc));
+        }
+        // NICs > 0 whose connections can go stale take pokes (poke()): a few small receives
+        // each, and a one-byte frame to send from.
+        poke_arena_.resize(nics_.size() * (kPokeDepth + 1) * kPokeSize);
+        poke_desc_.assign(nics_.size(), nullptr);
+        poke_rx_.resize(nics_.size() * kPokeDepth);
+        for (uint32_t n = 1; n < nics_.size(); n++) {
+            if (!nics_[n]->stale_peers()) continue;
+            poke_desc_[n] = nics_[n]->local_desc(poke_buf(n, 0), (kPokeDepth + 1) * kPokeSize);
+            poke_buf(n, kPokeDepth)[0] = kFramePoke;
+            for (uint32_t i = 0; i < kPokeDepth; i++) {
+                OpCtx& op = poke_rx_[n * kPokeDepth + i];
+                op.kind = 2;
+                op.nic = n;
+                op.src = i;
+                int rc = nics_[n]->post_recv(poke_buf(n, i), kPokeSize, poke_desc_[n], &op);
+                if (rc != 0) throw std::runtime_error("posting poke receive buffers failed: " + std::to_string(rc));
+            }
         }
         self_address_ = nics_[0]->address();
         attrib_.resize(nics_.size());
@@ -552,6 +574,8 @@ class Engine {
         EngineDump out;
         out.inflight_wrs = inflight_;
         for (auto& q : pending_) out.unposted_per_nic.push_back(q.size());
+        out.pokes_sent = pokes_sent_;
+        out.pokes_received = pokes_received_;
         for (const auto& [id, r] : live_) {
             RequestView v{};
             v.id = id;
@@ -1015,6 +1039,11 @@ class Engine {
     }
 
     void got_message(OpCtx& op, size_t len) {
+        if (op.nic > 0) {  // a poke (poke()): it did its work by arriving
+            pokes_received_++;
+            nics_[op.nic]->post_recv(poke_buf(op.nic, op.src), kPokeSize, poke_desc_[op.nic], &op);
+            return;
+        }
         const char* buf = recv_buf(op.src);
         // [type][address length][address][body]; a user frame's address and body are the
         // Python header and payload, handed on without the type byte.
@@ -1055,7 +1084,10 @@ class Engine {
                     // see may keep refusing the one it makes next.
                     uint32_t k = uint8_t(extra[0]);
                     PeerState& p = it->second;
-                    if (k > 0 && k < nics_.size()) reset_path(p, k);
+                    if (k > 0 && k < nics_.size()) {
+                        reset_path(p, k);
+                        poke(p, k);
+                    }
                 } else if (buf[0] == kFrameQuery && elen >= 1) {
                     queries_.push_back(Query{from, nonce, uint8_t(extra[0])});
                 } else if (buf[0] == kFrameCounts && it != peer_state_.end()) {
@@ -1196,6 +1228,35 @@ class Engine {
         epoch_++;
         uint64_t handle = 0;
         if (resolve(n, a, handle) && p.rx_session != 0) attrib_[n][handle] = &p;
+    }
+
+    // Sends a one-byte frame to ``p`` on NIC ``n`` (its address there), where the domain's
+    // connections can go stale: a connection to ``p`` that ``p`` dropped (its NIC reset it,
+    // and this side, which only received on it, never saw that) still looks alive here, and
+    // rxm refuses each new connection ``p`` makes from the same process while it does
+    // (EALREADY: "simultaneous connect"), so ``p``'s path would never come back. Sending on it
+    // meets the reset, and the provider drops it. On a live connection the poke just arrives
+    // (and is dropped there); its completion, good or bad, only frees its context.
+    void poke(PeerState& p, uint32_t n) {
+        if (!nics_[n]->stale_peers() || n >= p.nic_addrs.size() || p.nic_addrs[n].empty()) return;
+        uint64_t handle = 0;
+        if (!resolve(n, p.nic_addrs[n], handle)) return;
+        OpCtx* op;
+        if (free_probes_.empty()) {
+            probe_ctx_.emplace_back();
+            op = &probe_ctx_.back();
+        } else {
+            op = free_probes_.back();
+            free_probes_.pop_back();
+        }
+        *op = OpCtx{};
+        op->kind = 3;  // no slot, no peer it probes: its end only releases it
+        op->nic = n;
+        if (nics_[n]->post_send(poke_buf(n, kPokeDepth), 1, poke_desc_[n], handle, op) == 0) {
+            pokes_sent_++;
+        } else {
+            release_probe(*op);  // -EAGAIN (connecting): a new connection is not stale
+        }
     }
 
     void attribute(uint32_t nic, uint64_t src, uint32_t imm) {
@@ -1782,7 +1843,11 @@ class Engine {
     char* recv_buf(size_t i) { return recv_arena_.data() + i * frame_; }
     char* send_slot(size_t i) { return send_arena_.data() + i * frame_; }
     static constexpr char kFrameUser = 0, kFramePing = 1, kFramePong = 2, kFrameHello = 3, kFrameHelloAck = 4,
-                          kFrameQuery = 5, kFrameCounts = 6, kFramePathReset = 7;
+                          kFrameQuery = 5, kFrameCounts = 6, kFramePathReset = 7, kFramePoke = 8;
+    // pokes (poke()): per NIC > 0, kPokeDepth receive buffers and one to send from
+    static constexpr uint32_t kPokeDepth = 4;
+    static constexpr size_t kPokeSize = 64;
+    char* poke_buf(uint32_t n, size_t i) { return poke_arena_.data() + (n * (kPokeDepth + 1) + i) * kPokeSize; }
     static constexpr int kRerouted = 1;  // post(): the op moved to another NIC's queue
     std::string self_address_;
     // failure detection (worker only)
@@ -1837,6 +1902,10 @@ class Engine {
     void* send_desc_ = nullptr;
     std::vector<uint32_t> free_slots_;  // worker only
     std::vector<OpCtx> recv_ctx_;
+    std::vector<char> poke_arena_;
+    std::vector<void*> poke_desc_;
+    std::vector<OpCtx> poke_rx_;
+    uint64_t pokes_sent_ = 0, pokes_received_ = 0;  // worker only (dump)
 
     std::mutex out_mu_;
     std::condition_variable out_cv_;

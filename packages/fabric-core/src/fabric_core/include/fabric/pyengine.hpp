@@ -355,6 +355,8 @@ class PyEngine {
             }
             d["inflight_work_requests"] = e.inflight_wrs;
             d["unposted_per_nic"] = e.unposted_per_nic;
+            d["pokes_sent"] = e.pokes_sent;
+            d["pokes_received"] = e.pokes_received;
         }
         d["requests"] = requests;
         d["peers"] = peers;
