@@ -10,12 +10,15 @@
 #include <rdma/fi_rma.h>
 
 #include <signal.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -150,7 +153,24 @@ class LibfabricDomain {
             check(fi_endpoint(domain_, info_, &ep_, nullptr), "fi_endpoint");
             check(fi_ep_bind(ep_, &av_->fid, 0), "fi_ep_bind(av)");
             check(fi_ep_bind(ep_, &cq_->fid, FI_TRANSMIT | FI_RECV), "fi_ep_bind(cq)");
-            check(fi_enable(ep_), "fi_enable");
+            int enabled = fi_enable(ep_);
+            if (enabled == -FI_EBUSY && shm_) {
+                // shm names its segment after the pid (/dev/shm/<pid>:<uid>:<n>), and a
+                // process killed outright leaves its segments behind: once its pid comes round
+                // again, the name is taken. A name of this endpoint's own then.
+                fi_close(&ep_->fid);
+                ep_ = nullptr;
+                check(fi_endpoint(domain_, info_, &ep_, nullptr), "fi_endpoint");
+                check(fi_ep_bind(ep_, &av_->fid, 0), "fi_ep_bind(av)");
+                check(fi_ep_bind(ep_, &cq_->fid, FI_TRANSMIT | FI_RECV), "fi_ep_bind(cq)");
+                std::random_device rd;
+                char unique[64];
+                std::snprintf(unique, sizeof(unique), "fabric-%d-%08x%08x-%d", int(getpid()), unsigned(rd()),
+                              unsigned(rd()), index);
+                check(fi_setname(&ep_->fid, unique, std::strlen(unique) + 1), "fi_setname");
+                enabled = fi_enable(ep_);
+            }
+            check(enabled, "fi_enable");
             char name[256];
             size_t len = sizeof(name);
             check(fi_getname(&ep_->fid, name, &len), "fi_getname");
@@ -206,6 +226,10 @@ class LibfabricDomain {
         // read past its end. No provider's address comes close to kMaxAddress bytes.
         constexpr size_t kMaxAddress = 512;
         if (address.empty() || address.size() > kMaxAddress) throw LibfabricError("fi_av_insert", -FI_EINVAL);
+        // shm names a peer by its shared-memory segment: an empty name (a forged or corrupt
+        // address) is inserted all the same and the first write to it crashes the provider
+        // (SIGSEGV in its spinlock, found by fuzzing), so it is refused here.
+        if (shm_ && address[0] == '\0') throw LibfabricError("fi_av_insert", -FI_EINVAL);
         char padded[kMaxAddress + 64] = {};
         std::memcpy(padded, address.data(), address.size());
         fi_addr_t out = FI_ADDR_UNSPEC;

@@ -98,3 +98,43 @@ def test_a_process_that_never_closes_its_engines_exits_cleanly(provider: str) ->
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 3, (done.returncode, done.stderr[-2000:])
+
+
+def test_an_shm_name_held_by_a_stale_segment_still_opens() -> None:
+    """shm names an endpoint's segment after the pid (/dev/shm/<pid>:<uid>:<n>), and a process
+    killed outright leaves its segments behind; once its pid comes round again, the segment
+    found there names a process that may be alive, and the provider refuses the name (EBUSY).
+    The engine then opens under a name of its own, and works both ways, control frames too.
+    Staged here: the child finds copies of a live engine's segment under its own names."""
+    live = registry.open_engine("efa", efa_provider="shm")
+    try:
+        segment = "/dev/shm/" + live.address.raw.rstrip(b"\0").decode().removeprefix("fi_shm://")
+        code = (
+            "import os, shutil, numpy as np\n"
+            "from fabric_core import registry\n"
+            "mine = [f'/dev/shm/{os.getpid()}:{os.getuid()}:{i}' for i in range(4)]\n"
+            f"for m in mine: shutil.copyfile({segment!r}, m)\n"
+            "try:\n"
+            "    a = registry.open_engine('efa', efa_provider='shm')\n"
+            "    b = registry.open_engine('efa', efa_provider='shm')\n"
+            "    print(a.address.raw, b.address.raw)\n"
+            "    x, y = np.arange(64, dtype=np.uint8), np.zeros(64, np.uint8)\n"
+            "    for w, t, src, dst, imm in ((a, b, x, y, 1), (b, a, y, x, 2)):\n"
+            "        dst[:] = 0\n"
+            "        mr, desc = w.register(src), t.register(dst).descriptor\n"
+            "        tr = w.submit_write(mr, 0, 64, desc, 0, imm=imm)\n"
+            "        t.counter(imm).wait(tr.imms_at_target, timeout=10)\n"
+            "        tr.wait(10)\n"
+            "        assert (dst == src).all()\n"
+            "    b.submit_send(a.address, b'hello').wait(10)\n"
+            "    assert a.recv(timeout=10).data == b'hello'\n"
+            "    a.close(); b.close()\n"
+            "finally:\n"
+            "    for m in mine:\n"
+            "        if os.path.exists(m): os.unlink(m)\n"
+        )
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+        assert b"fabric-" in done.stdout.encode(), done.stdout
+    finally:
+        live.close()

@@ -1,8 +1,9 @@
 // Lock-free multi-producer single-consumer queue (Vyukov's intrusive node queue).
 //
 // Producers (Python threads submitting requests, with the GIL released) push with one atomic
-// exchange; the engine's worker thread is the only consumer. push() never blocks and never
-// allocates beyond the node the caller hands over.
+// exchange. One consumer at a time: whoever holds the engine's progress lock (its worker, or
+// a submitter posting inline), so consumers hand the queue over through that mutex. push()
+// never blocks and never allocates beyond the node the caller hands over.
 #pragma once
 
 #include <atomic>
@@ -28,22 +29,25 @@ class MpscQueue {
         prev->next.store(node, std::memory_order_release);
     }
 
-    // Consumer only: nothing queued and no push under way.
-    bool empty() const { return tail_ == &stub_ && head_.load(std::memory_order_seq_cst) == &stub_; }
+    // Nothing queued and no push under way. Exact for the consumer; from any other thread
+    // (the worker deciding whether to nap while a submitter consumes) a hint that may be stale.
+    bool empty() const {
+        return tail_.load(std::memory_order_relaxed) == &stub_ && head_.load(std::memory_order_seq_cst) == &stub_;
+    }
 
     // Consumer only. Returns nullptr when empty (or when a producer is mid-push; the item
     // then shows up on a later call).
     std::unique_ptr<T> pop() {
-        Node* tail = tail_;
+        Node* tail = tail_.load(std::memory_order_relaxed);
         Node* next = tail->next.load(std::memory_order_acquire);
         if (tail == &stub_) {
             if (next == nullptr) return nullptr;
-            tail_ = next;
+            tail_.store(next, std::memory_order_relaxed);
             tail = next;
             next = next->next.load(std::memory_order_acquire);
         }
         if (next != nullptr) {
-            tail_ = next;
+            tail_.store(next, std::memory_order_relaxed);
             std::unique_ptr<T> out = std::move(tail->value);
             delete tail;
             return out;
@@ -54,7 +58,7 @@ class MpscQueue {
         prev->next.store(&stub_, std::memory_order_release);
         next = tail->next.load(std::memory_order_acquire);
         if (next != nullptr) {
-            tail_ = next;
+            tail_.store(next, std::memory_order_relaxed);
             std::unique_ptr<T> out = std::move(tail->value);
             delete tail;
             return out;
@@ -68,7 +72,7 @@ class MpscQueue {
         std::atomic<Node*> next;
     };
     std::atomic<Node*> head_;
-    Node* tail_;
+    std::atomic<Node*> tail_;  // written by the consumer only (atomic: empty() may be asked elsewhere)
     Node stub_{nullptr, {nullptr}};
 };
 
