@@ -79,7 +79,8 @@ def _pytest(session: nox.Session) -> None:
 
 @nox.session
 def check(session: nox.Session) -> None:
-    """Everything CI runs: lint, types, docs, the test suite with coverage, then fabric-efa."""
+    """Everything CI runs: lint, types, docs, the test suite with coverage, fabric-efa and
+    fabric-verbs, then the native code under sanitizers."""
     _install(session, "test", "lint", "docs")
     _lint(session)
     _typecheck(session)
@@ -87,6 +88,7 @@ def check(session: nox.Session) -> None:
     _pytest(session)
     _efa(session)  # last: installing the backends changes what the registry tests see
     _verbs(session)
+    _sanitize(session)  # replaces the backends with their ASan+UBSan builds: keep it last
 
 
 @nox.session
@@ -269,3 +271,116 @@ def soak(session: nox.Session) -> None:
     _install(session, "test")
     seeds = os.environ.get("FABRIC_SOAK_SEEDS", "200")
     session.run("pytest", "packages/fabric-sim/tests", "-q", "--fabric-seeds", seeds, *session.posargs)
+
+
+# `nox -s sanitize` (docs/backends/efa.md, "Sanitizers"): the compiled backends built with ASan and
+# UBSan and their device-free tests run under them, and the engine core's threads under TSan.
+SANITIZE = "address,undefined"
+TSAN_TEST = ROOT / "packages" / "fabric-core" / "tests" / "native" / "tsan_engine.cpp"
+# The efa tests run under ASan: the conformance suite (shm and tcp, in-process and across
+# processes), the counters and the fast path. Not the netns labs: they spend their time in
+# timeouts and the kernel's networking, not in our code, and would double the session.
+SANITIZE_EFA_TESTS = ("test_conformance.py", "test_counters.py", "test_fast_path.py", "test_backend.py")
+
+
+def _sanitizer_env() -> dict[str, str]:
+    """Run-time settings for a Python that loads an ASan+UBSan-built extension. Python is not
+    built with ASan, so the runtime is preloaded (it must come first in the library list), and
+    libstdc++ with it: ASan resolves the C++ functions it intercepts (__cxa_throw) when it
+    starts, and python does not link libstdc++, so without it the first C++ exception thrown
+    aborts in ASan's own CHECK. Leak checking is off: CPython keeps its arenas and interned
+    objects at exit by design, so every run would report them. A report aborts the process
+    (and the extensions are built with -fno-sanitize-recover=all), which fails the test and so
+    the session."""
+
+    def gcc_file(name: str) -> str:
+        out = subprocess.run(["g++", f"-print-file-name={name}"], capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+
+    return {
+        "LD_PRELOAD": f"{gcc_file('libasan.so')} {gcc_file('libstdc++.so')}",
+        "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1:halt_on_error=1:strict_string_checks=1"
+        ":detect_stack_use_after_return=1:check_initialization_order=1",
+        "UBSAN_OPTIONS": "halt_on_error=1:abort_on_error=1:print_stacktrace=1",
+        "FI_TCP_IFACE": "lo",
+    }
+
+
+@nox.session
+def sanitize(session: nox.Session) -> None:
+    """The native code under sanitizers (see _sanitize); also the last step of ``check``."""
+    _sanitize(session)
+
+
+def _sanitize(session: nox.Session) -> None:
+    """The engine core's queues, counters and threads under ThreadSanitizer (a native test),
+    then fabric-efa and fabric-verbs built with AddressSanitizer + UndefinedBehaviorSanitizer
+    (build/sanitize in each package) and their device-free tests run under them. Any report
+    fails the session. FABRIC_SANITIZE_SEEDS: conformance seeds (default 1)."""
+    _system_packages(session, "libfabric-dev", "libibverbs-dev", "g++", "cmake", "pkg-config")
+    tsan = str(Path(session.create_tmp()) / "tsan_engine")
+    include = str(ROOT / "packages" / "fabric-core" / "src" / "fabric_core" / "include")
+    session.run(
+        "g++",
+        "-std=c++17",
+        "-Wall",
+        "-fsanitize=thread",
+        "-g",
+        "-O1",
+        "-I",
+        include,
+        str(TSAN_TEST),
+        "-o",
+        tsan,
+        "-pthread",
+        external=True,
+    )
+    session.run(tsan, external=True, env={"TSAN_OPTIONS": "halt_on_error=1:second_deadlock_stack=1"})
+
+    _install(session, "test")
+    session.install(*CONSTRAINTS, "pybind11", "scikit-build-core")
+    for pkg in ("fabric-efa", "fabric-verbs"):
+        session.install(
+            *CONSTRAINTS,
+            "--no-build-isolation",
+            "--config-settings=build-dir=build/sanitize/{wheel_tag}",
+            "--config-settings=cmake.build-type=Debug",
+            f"--config-settings=cmake.define.FABRIC_SANITIZE={SANITIZE}",
+            f"./packages/{pkg}",
+        )
+    env = _sanitizer_env()
+    seeds = os.environ.get("FABRIC_SANITIZE_SEEDS", "1")
+    efa_tests = [f"packages/fabric-efa/tests/{t}" for t in SANITIZE_EFA_TESTS]
+    # --capture=sys: a report is written to fd 2 just before the abort; pytest's fd capture
+    # would swallow it (and the worker processes, started mid-test, inherit fd 2)
+    pytest = ("pytest", "-q", "--capture=sys", "--fabric-seeds", seeds)
+    session.run(*pytest, *efa_tests, *session.posargs, env=env)
+    session.run(*pytest, "packages/fabric-verbs/tests", *session.posargs, env=env)
+
+
+@nox.session
+def fuzz(session: nox.Session) -> None:
+    """Coverage-guided fuzzing (atheris, libFuzzer) of what parses peer and user bytes
+    (tests/fuzz/fuzz_descriptors.py): the descriptor, address, device and page-index parsers,
+    then forged peer addresses through the efa engine on shm. ``nox -s fuzz -- SECONDS``
+    (default 60 per run). A finding fails the session and is written to fuzz-artifacts/; keep
+    it in tests/fuzz/crashes/ (the default test run replays those with the corpus)."""
+    _system_packages(session, "libfabric-dev", "g++", "cmake", "pkg-config")
+    session.install(*CONSTRAINTS, "atheris==2.3.0", "pybind11", "scikit-build-core", "./packages/fabric-core")
+    session.install(
+        *CONSTRAINTS,
+        "--no-build-isolation",
+        "--config-settings=build-dir=build/fuzz/{wheel_tag}",
+        "./packages/fabric-efa",
+    )
+    seconds = session.posargs[0] if session.posargs else "60"
+    runner = (
+        "python",
+        "tests/fuzz/fuzz_descriptors.py",
+        "--seconds",
+        seconds,
+        "--artifacts",
+        "fuzz-artifacts",
+    )
+    session.run(*runner, env={"FI_TCP_IFACE": "lo"})
+    session.run(*runner, "--native", env={"FI_TCP_IFACE": "lo"})

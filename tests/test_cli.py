@@ -200,6 +200,16 @@ def test_bench_pages_sets_the_pages_of_each_paged_write(tmp_path: Path) -> None:
     assert doc["paged"]["pages"] == 40 and doc["paged"]["imms_per_write"] == 40
 
 
+def test_bench_reports_which_nics_carried_the_bytes(tmp_path: Path) -> None:
+    result, doc = bench_json(tmp_path, "--backend", "sim", "--quick", "--sizes", "64K", "--nics", "3")
+    per_nic = doc["per_nic"]
+    assert [n["nic"] for n in per_nic] == [0, 1, 2]
+    assert all(n["bytes_written"] > 0 and n["work_requests"] > 0 for n in per_nic), per_nic
+    assert all(n["errors"] == 0 and n["retries"] == 0 for n in per_nic)
+    line = next(x for x in result.output.splitlines() if x.startswith("writer per NIC: "))
+    assert line.count("NIC ") == 3 and "%" in line
+
+
 def test_bench_options_size_filter_iters_nics_seed(tmp_path: Path) -> None:
     _, doc = bench_json(
         tmp_path,

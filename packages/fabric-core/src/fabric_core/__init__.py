@@ -51,6 +51,7 @@ from .ops import (
 from .registry import detect_topology, installed_backends, load_backend, open_engine
 from .rendezvous import Rendezvous
 from .settings import FabricSettings, load_settings
+from .stats import NicStats, PeerStats, WaitStats
 from .transfer import Transfer
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
@@ -87,7 +88,9 @@ __all__ = [
     "MemoryRegionDescriptor",
     "Message",
     "NicKey",
+    "NicStats",
     "PagedWriteRequest",
+    "PeerStats",
     "PeerGroup",
     "PeerUnreachable",
     "Pinned",
@@ -108,6 +111,7 @@ __all__ = [
     "TransferCancelled",
     "TransferTimeout",
     "TransportError",
+    "WaitStats",
     "WriteRequest",
     "detect_topology",
     "get_include",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, ClassVar
 
@@ -36,6 +36,7 @@ from .ops import (
     plan_request,
 )
 from .settings import FabricSettings
+from .stats import NicStats, PeerStats, WaitStats
 from .transfer import Transfer
 
 __all__ = ["API_VERSION", "Backend", "EngineStats", "ProbeResult", "TransferEngine"]
@@ -58,6 +59,12 @@ class EngineStats:
     registrations: int
     retries: int = 0
     """Work requests retried on another NIC after theirs was lost (see the failure contract)."""
+    nics: tuple[NicStats, ...] = ()
+    """Per NIC of the group, in NIC order: which NICs carried how much."""
+    peers: tuple[PeerStats, ...] = ()
+    """Per peer written to, by its NIC 0 address."""
+    counter_waits: WaitStats = field(default_factory=WaitStats)
+    """Counter waits that ended, with their latency histogram."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ backend subclasses ``EngineBase`` and supplies the hooks that touch its transpor
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from abc import abstractmethod
@@ -18,7 +19,7 @@ from typing import Any
 
 from . import diagnostics
 from .api import EngineStats, TransferEngine
-from .counters import CounterTable, ImmCounter
+from .counters import CounterTable, ImmCounter, check_wait_timeout
 from .errors import (
     CapabilityError,
     ConfigError,
@@ -31,6 +32,7 @@ from .memory import MemorySpan, memory_span
 from .models import Capabilities, DomainAddress, DomainInfo, MemoryRegion, MemoryRegionDescriptor, NicKey
 from .ops import Message, PeerGroup, Plan, Request, plan_request
 from .settings import FabricSettings
+from .stats import NicStats, PeerStats, stats_dict
 from .transfer import CallbackDispatcher, Transfer
 
 __all__ = ["EngineBase", "Registration"]
@@ -193,7 +195,18 @@ class EngineBase(TransferEngine):
             callback_errors=self._dispatch.errors,
             registrations=len(self._regs),
             retries=self._stat_retries,
+            nics=self._nic_stats(),
+            peers=self._peer_stats(),
+            counter_waits=self._counters.waits.snapshot(),
         )
+
+    def _nic_stats(self) -> tuple[NicStats, ...]:
+        """Per-NIC traffic (backends that count it override this)."""
+        return ()
+
+    def _peer_stats(self) -> tuple[PeerStats, ...]:
+        """Per-peer traffic (backends that count it override this)."""
+        return ()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -327,7 +340,8 @@ class EngineBase(TransferEngine):
 
     def recv(self, timeout: float | None = None) -> Message:
         self._check_open()
-        limit = self._timeout if timeout is None else timeout
+        checked = check_wait_timeout(timeout)
+        limit = self._timeout if checked is None else checked
         deadline = time.monotonic() + limit
         with self._msg_cv:
             while not self._messages:
@@ -336,7 +350,7 @@ class EngineBase(TransferEngine):
                     raise EngineClosed("engine closed while waiting for a message")
                 if left <= 0:
                     raise TransferTimeout(f"no control message within {limit:g} s")
-                self._msg_cv.wait(left)
+                self._msg_cv.wait(None if math.isinf(left) else left)
             msg = self._messages.popleft()
         self._message_taken()
         return msg
@@ -373,7 +387,7 @@ class EngineBase(TransferEngine):
             "requests": core.get("requests", []),
             "waiters": self._counters.pending(),
             "peers": core.get("peers", []),
-            "stats": {f: getattr(stats, f) for f in stats.__dataclass_fields__},
+            "stats": stats_dict(stats),
             **{k: v for k, v in core.items() if k not in ("requests", "peers")},
         }
 

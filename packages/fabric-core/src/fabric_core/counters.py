@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import math
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -26,12 +27,20 @@ import numpy as np
 
 from .errors import ConfigError, EngineClosed, PeerUnreachable, TransferTimeout
 from .models import DomainAddress
+from .stats import WaitLatency
 from .transfer import CallbackDispatcher
 
 if TYPE_CHECKING:
     from ._native_api import NativeTableApi as NativeTable
 
-__all__ = ["CounterTable", "Expectation", "ImmCounter", "NativeCounterTable", "check_imm"]
+__all__ = [
+    "CounterTable",
+    "Expectation",
+    "ImmCounter",
+    "NativeCounterTable",
+    "check_imm",
+    "check_wait_timeout",
+]
 
 IMM_LIMIT = 1 << 32
 
@@ -89,6 +98,8 @@ class CounterTable:
         self._dispatch = dispatcher
         self._lost: dict[bytes, BaseException] = {}
         self._received = 0
+        self.waits = WaitLatency()
+        """How long counter waits on this table took (``EngineStats.counter_waits``)."""
 
     @property
     def imms_received(self) -> int:
@@ -270,6 +281,18 @@ class ImmCounter(ABC):
         gets ``PeerUnreachable`` when that peer dies; a peer already dead raises it here."""
 
 
+def check_wait_timeout(timeout: object, what: str = "timeout") -> float | None:
+    """A blocking wait's ``timeout``: None (the engine default), 0 (poll), a positive number of
+    seconds or ``math.inf``. Anything else (NaN, negative, not a number) is a ``ConfigError``."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+        raise ConfigError(
+            f"{what} must be None, 0, a positive number of seconds or math.inf, got {timeout!r}"
+        )
+    return float(timeout)
+
+
 def _check_n(n: object) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ConfigError(f"count to wait for must be a positive int, got {n!r}")
@@ -293,6 +316,16 @@ class TableCounter(ImmCounter):
 
     def wait(self, n: int = 1, timeout: float | None = None, *, peer: DomainAddress | None = None) -> None:
         n = _check_n(n)
+        timeout = check_wait_timeout(timeout)
+        start = time.monotonic()
+        try:
+            self._wait(n, timeout, peer)
+        except BaseException:
+            self._table.waits.record(time.monotonic() - start, False)
+            raise
+        self._table.waits.record(time.monotonic() - start, True)
+
+    def _wait(self, n: int, timeout: float | None, peer: DomainAddress | None) -> None:
         limit = self._default_timeout if timeout is None else timeout
         done = threading.Event()
         box: list[BaseException | None] = [None]
@@ -316,6 +349,16 @@ class TableCounter(ImmCounter):
         self, n: int = 1, timeout: float | None = None, *, peer: DomainAddress | None = None
     ) -> None:
         n = _check_n(n)
+        timeout = check_wait_timeout(timeout)
+        start = time.monotonic()
+        try:
+            await self._wait_async(n, timeout, peer)
+        except BaseException:
+            self._table.waits.record(time.monotonic() - start, False)
+            raise
+        self._table.waits.record(time.monotonic() - start, True)
+
+    async def _wait_async(self, n: int, timeout: float | None, peer: DomainAddress | None) -> None:
         limit = self._default_timeout if timeout is None else timeout
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
@@ -356,8 +399,11 @@ class TableCounter(ImmCounter):
     ) -> Expectation:
         n = _check_n(n)
         dispatch = self._table._dispatch
+        waits, start = self._table.waits, time.monotonic()
 
         def fire(exc: BaseException | None) -> None:
+            waits.record(time.monotonic() - start, exc is None)
+
             def run() -> None:
                 if exc is None:
                     callback()
@@ -502,8 +548,7 @@ class NativeCounter(TableCounter):
 
     _table: NativeCounterTable
 
-    def wait(self, n: int = 1, timeout: float | None = None, *, peer: DomainAddress | None = None) -> None:
-        n = _check_n(n)
+    def _wait(self, n: int, timeout: float | None, peer: DomainAddress | None) -> None:
         limit = self._default_timeout if timeout is None else timeout
         raw = peer.raw if peer is not None else b""
         table = self._table

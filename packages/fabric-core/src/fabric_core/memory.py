@@ -38,9 +38,14 @@ def _is_torch_tensor(obj: object) -> bool:
 def memory_span(obj: object) -> MemorySpan:
     """Resolve a registrable object; raise ConfigError for anything that cannot be registered."""
     if isinstance(obj, RawMemory):
-        if not isinstance(obj.ptr, int) or obj.ptr <= 0 or obj.ptr >= 1 << 64:
+        if isinstance(obj.ptr, bool) or not isinstance(obj.ptr, int) or obj.ptr <= 0 or obj.ptr >= 1 << 64:
             raise ConfigError(f"RawMemory.ptr must be a non-null 64-bit address, got {obj.ptr!r}")
-        if not isinstance(obj.length, int) or obj.length <= 0 or obj.ptr + obj.length > 1 << 64:
+        if (
+            isinstance(obj.length, bool)
+            or not isinstance(obj.length, int)
+            or obj.length <= 0
+            or obj.ptr + obj.length > 1 << 64
+        ):
             raise ConfigError(f"RawMemory.length must be positive and fit in 64 bits, got {obj.length!r}")
         return MemorySpan(obj.ptr, obj.length, Device.parse(obj.device), True, obj)
     if _is_torch_tensor(obj):
@@ -77,7 +82,10 @@ def index_array(obj: object, what: str) -> np.ndarray[Any, np.dtype[np.int64]]:
     if _is_torch_tensor(obj):
         t: Any = obj
         obj = t.detach().to("cpu").numpy()
-    arr = np.asarray(obj)
+    try:
+        arr = np.asarray(obj)
+    except (ValueError, TypeError, OverflowError) as exc:  # ragged lists, odd objects
+        raise ConfigError(f"{what} must be a one-dimensional array of integers ({exc})") from None
     if arr.ndim != 1:
         raise ConfigError(f"{what} must be one-dimensional, got shape {arr.shape}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):

@@ -8,6 +8,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
+from .errors import ConfigError
+
 __all__ = [
     "DESCRIPTOR_VERSION",
     "Capabilities",
@@ -37,13 +39,12 @@ class Device(BaseModel):
         """Accept a ``Device``, ``"cpu"``, ``"cuda"``, ``"cuda:1"`` or a ``torch.device``."""
         if isinstance(value, Device):
             return value
-        from .errors import ConfigError
-
         text = str(value)
         kind, sep, index = text.partition(":")
         if text == "cpu":
             return cls()
-        if kind == "cuda" and (not sep or (index.isdigit() and int(index) < 1 << 16)):
+        # ASCII digits only: str.isdigit() also holds for '²', which int() refuses
+        if kind == "cuda" and (not sep or (index.isascii() and index.isdigit() and int(index) < 1 << 16)):
             return cls(kind="cuda", index=int(index or 0))
         raise ConfigError(f"unknown device {text!r}: use 'cpu', 'cuda' or 'cuda:N' (0 <= N < 65536)")
 
@@ -66,7 +67,7 @@ class DomainAddress(BaseModel):
         try:
             return cls(raw=bytes.fromhex(text))
         except ValueError as exc:
-            raise ValueError(f"not a hex DomainAddress: {text!r} ({exc})") from None
+            raise ConfigError(f"not a hex DomainAddress: {text!r} ({exc})") from None
 
     def __bytes__(self) -> bytes:
         return self.raw
@@ -149,7 +150,7 @@ class MemoryRegionDescriptor(BaseModel):
 
     Versioned; ``to_bytes()``/``from_bytes()`` give a compact checksummed form,
     ``model_dump_json()``/``from_json()`` a readable one. Malformed input raises
-    ``ValueError`` naming what is wrong.
+    ``ConfigError`` (a ``ValueError``) naming what is wrong.
     """
 
     model_config = _FROZEN
@@ -187,38 +188,38 @@ class MemoryRegionDescriptor(BaseModel):
         data = bytes(data)
         name = "MemoryRegionDescriptor"
         if len(data) < 5:
-            raise ValueError(f"{name}: truncated: {len(data)} bytes, the header alone is {_HEADER.size}")
+            raise ConfigError(f"{name}: truncated: {len(data)} bytes, the header alone is {_HEADER.size}")
         if data[:4] != _MAGIC:
-            raise ValueError(f"{name}: not a descriptor (magic {data[:4]!r}, expected {_MAGIC!r})")
+            raise ConfigError(f"{name}: not a descriptor (magic {data[:4]!r}, expected {_MAGIC!r})")
         if data[4] != DESCRIPTOR_VERSION:
-            raise ValueError(
+            raise ConfigError(
                 f"{name}: foreign version {data[4]} (this fabric-core reads version "
                 f"{DESCRIPTOR_VERSION}); upgrade the older side"
             )
         if len(data) < _HEADER.size + _CRC.size:
-            raise ValueError(f"{name}: truncated: {len(data)} bytes, the header alone is {_HEADER.size}")
+            raise ConfigError(f"{name}: truncated: {len(data)} bytes, the header alone is {_HEADER.size}")
         _, version, flags, dev_index, count, ptr, length = _HEADER.unpack_from(data)
         pos = _HEADER.size
         keys = []
         for i in range(count):
             if pos >= len(data):
-                raise ValueError(f"{name}: truncated in NIC entry {i} of {count}")
+                raise ConfigError(f"{name}: truncated in NIC entry {i} of {count}")
             alen = data[pos]
             end = pos + 1 + alen + _NIC_KEY.size
             if end > len(data):
-                raise ValueError(f"{name}: truncated in NIC entry {i} of {count}")
+                raise ConfigError(f"{name}: truncated in NIC entry {i} of {count}")
             (rkey,) = _NIC_KEY.unpack_from(data, pos + 1 + alen)
             keys.append((data[pos + 1 : pos + 1 + alen], rkey))
             pos = end
         if len(data) < pos + _CRC.size:
-            raise ValueError(f"{name}: truncated: {len(data)} bytes, {pos + _CRC.size} expected")
+            raise ConfigError(f"{name}: truncated: {len(data)} bytes, {pos + _CRC.size} expected")
         if len(data) > pos + _CRC.size:
-            raise ValueError(f"{name}: {len(data) - pos - _CRC.size} unexpected trailing bytes")
+            raise ConfigError(f"{name}: {len(data) - pos - _CRC.size} unexpected trailing bytes")
         (crc,) = _CRC.unpack_from(data, pos)
         if zlib.crc32(data[:pos]) != crc:
-            raise ValueError(f"{name}: corrupted: checksum mismatch")
+            raise ConfigError(f"{name}: corrupted: checksum mismatch")
         if flags & ~_KNOWN_FLAGS:
-            raise ValueError(f"{name}: unknown flags {flags:#x}")
+            raise ConfigError(f"{name}: unknown flags {flags:#x}")
         try:
             return cls(
                 version=version,
@@ -229,7 +230,9 @@ class MemoryRegionDescriptor(BaseModel):
                 nics=tuple(NicKey(address=DomainAddress(raw=a), rkey=k) for a, k in keys),
             )
         except ValidationError as exc:
-            raise ValueError(f"{name}: invalid field: {exc.errors()[0]['msg']}") from None
+            err = exc.errors()[0]
+            where = ".".join(str(part) for part in err["loc"])
+            raise ConfigError(f"{name}: invalid field: {where}: {err['msg']}") from None
 
     @classmethod
     def from_json(cls, text: str | bytes) -> MemoryRegionDescriptor:
@@ -238,7 +241,7 @@ class MemoryRegionDescriptor(BaseModel):
         except ValidationError as exc:
             err = exc.errors()[0]
             where = ".".join(str(p) for p in err["loc"]) or "document"
-            raise ValueError(f"MemoryRegionDescriptor JSON: {where}: {err['msg']}") from None
+            raise ConfigError(f"MemoryRegionDescriptor JSON: {where}: {err['msg']}") from None
 
 
 class MemoryRegion(BaseModel):

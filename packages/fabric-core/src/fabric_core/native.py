@@ -52,6 +52,7 @@ from .ops import (
     WriteRequest,
 )
 from .settings import FabricSettings
+from .stats import NicStats, PeerStats
 from .transfer import Transfer
 
 if TYPE_CHECKING:
@@ -246,6 +247,12 @@ class NativeEngine(EngineBase):
             retries=int(core["retries"]),
         )
 
+    def _nic_stats(self) -> tuple[NicStats, ...]:
+        return tuple(NicStats(n, *row) for n, row in enumerate(self._core.nic_stats()))
+
+    def _peer_stats(self) -> tuple[PeerStats, ...]:
+        return tuple(PeerStats(DomainAddress(raw=raw), *row) for raw, *row in self._core.peer_stats())
+
     # --- completion path: one GIL acquisition per batch ------------------------------
     def _complete(self) -> None:
         while True:
@@ -295,7 +302,14 @@ class NativeEngine(EngineBase):
                 )
             transfer._resolve(exc)
         for raw in messages:
-            (alen,) = _HEADER.unpack_from(raw)
+            # [address length][address][payload], as a peer sent it: never trusted. A frame
+            # naming no address (a foreign sender) is dropped; it must not stop this thread.
+            alen = raw[0] if raw else 0
+            if alen == 0 or len(raw) < 1 + alen:
+                logger.warning(
+                    "fabric: dropped a malformed control message on %s (%d bytes)", self._where, len(raw)
+                )
+                continue
             self._enqueue_message(Message(DomainAddress(raw=raw[1 : 1 + alen]), raw[1 + alen :]))
 
     def _drain_wait(self, transfer: Transfer, deadline: float) -> None:

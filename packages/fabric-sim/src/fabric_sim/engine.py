@@ -16,6 +16,7 @@ from fabric_core.models import Capabilities, DomainAddress, DomainInfo
 from fabric_core.ops import Message, Plan
 from fabric_core.reconcile import PowerSums
 from fabric_core.settings import FabricSettings
+from fabric_core.stats import NicStats, PeerStats, TrafficTally
 from fabric_core.transfer import Transfer
 
 if TYPE_CHECKING:
@@ -29,11 +30,13 @@ SIM_MAX_MSG_SIZE = 1 << 30
 
 @dataclass(eq=False)
 class _SimKeys:
-    """What the simulated NICs check a remote write against."""
+    """What the simulated NICs check a remote write against (as a NIC checks its memory
+    region: the key, the range and the access rights)."""
 
     ptr: int
     length: int
     rkeys: tuple[int, ...]
+    remote_write: bool
 
 
 class SimEngine(EngineBase):
@@ -53,6 +56,7 @@ class SimEngine(EngineBase):
         self._path_failed: dict[tuple[int, int], list[_WR]] = {}
         self._tx_sums: dict[tuple[int, int], PowerSums] = {}
         self._rx_sums: dict[tuple[int, int], PowerSums] = {}
+        self._traffic = TrafficTally(nics)  # stats(), under the fabric lock
         self.engine_id = fabric.attach(self)
         self._keys = random.Random(fabric.seed * 1_000_003 + self.engine_id)
         max_msg = min(settings.max_msg_size or SIM_MAX_MSG_SIZE, SIM_MAX_MSG_SIZE)
@@ -84,14 +88,23 @@ class SimEngine(EngineBase):
         return self._fabric
 
     # --- hooks ---------------------------------------------------------------------
+    # Read without the fabric lock (stats() may be called from a callback that runs under
+    # it): each figure is read whole, a snapshot may straddle an event.
+    def _nic_stats(self) -> tuple[NicStats, ...]:
+        return self._traffic.nic_stats()
+
+    def _peer_stats(self) -> tuple[PeerStats, ...]:
+        fabric = self._fabric
+        return self._traffic.peer_stats(lambda eid: fabric.address(eid, 0))
+
     def _backend_register(
         self, span: MemorySpan, writable: bool, handle: int
     ) -> tuple[tuple[int, ...], object]:
-        keys = _SimKeys(span.ptr, span.length, tuple(self._keys.getrandbits(64) for _ in range(self._nics)))
-        if writable:
-            with self._fabric._cv:
-                for nic, key in enumerate(keys.rkeys):
-                    self._rkeys[(nic, key)] = keys
+        rkeys = tuple(self._keys.getrandbits(64) for _ in range(self._nics))
+        keys = _SimKeys(span.ptr, span.length, rkeys, remote_write=writable)
+        with self._fabric._cv:
+            for nic, key in enumerate(keys.rkeys):
+                self._rkeys[(nic, key)] = keys
         return keys.rkeys, keys
 
     def _backend_deregister(self, token: object) -> None:

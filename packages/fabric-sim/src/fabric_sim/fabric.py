@@ -390,6 +390,7 @@ class SimFabric:
             self._cv.notify_all()
 
     def _post_wr(self, wr: _WR) -> None:
+        wr.xfer.engine._traffic.posted(wr.nic, wr.dst)
         busy = wr.xfer.engine._path_busy
         busy[(wr.dst, wr.nic)] = busy.get((wr.dst, wr.nic), 0) + 1
         length, parts = wr.length, wr.left
@@ -616,9 +617,10 @@ class SimFabric:
         elif kind == _WR_DONE:
             self._wr_done(payload)
         elif kind == _IMM:
-            dst, imm, _src, _nic = payload
+            dst, imm, _src, nic = payload
             engine = self._engines.get(dst)
             if engine is not None:
+                engine._traffic.imm(nic)
                 engine._counters.add(imm)
         elif kind == _ACK:
             wr, err = payload
@@ -634,7 +636,7 @@ class SimFabric:
         wr.left -= 1
         xfer = wr.xfer
         if wr.error is None and xfer.left >= 0:
-            err = self._check_access(wr, off, n)
+            err = self._check_access(wr)
             if err is not None and self._nic_down(wr):
                 # Caught by a NIC going down: as on a real NIC the sender cannot tell whether
                 # the WR got through before its acknowledgement was lost. Seeded either way.
@@ -642,7 +644,7 @@ class SimFabric:
                     wr.fate = self._rng.random() < 0.5
                 if wr.fate:
                     wr.ack_lost = err
-                    err = self._check_access(wr, off, n, nics=False)
+                    err = self._check_access(wr, nics=False)
             if err is not None:
                 wr.error = err
             elif n:
@@ -653,7 +655,7 @@ class SimFabric:
     def _nic_down(self, wr: _WR) -> bool:
         return (wr.src, wr.nic) in self._dead_nics or (wr.dst, wr.nic) in self._dead_nics
 
-    def _check_access(self, wr: _WR, off: int, n: int, *, nics: bool = True) -> BaseException | None:
+    def _check_access(self, wr: _WR, *, nics: bool = True) -> BaseException | None:
         src = self._engines.get(wr.src)
         if src is None:
             return EngineClosed("sending engine is gone")
@@ -672,16 +674,23 @@ class SimFabric:
                 peer=peer,
                 nic=wr.nic,
             )
-        lo = wr.dst_addr + off
-        if lo < reg.ptr or lo + n > reg.ptr + reg.length:
+        if not reg.remote_write:
             return RemoteAccessError(
-                f"write [{lo:#x}, {lo + n:#x}) is outside the peer's registration", peer=peer, nic=wr.nic
+                f"peer {peer} registered this memory without remote write access", peer=peer, nic=wr.nic
+            )
+        # The whole WR's range, whichever chunk this is: a NIC checks the range a write names
+        # against the region before it places any byte, so a WR reaching outside lands nothing.
+        lo, hi = wr.dst_addr, wr.dst_addr + wr.length
+        if lo < reg.ptr or hi > reg.ptr + reg.length:
+            return RemoteAccessError(
+                f"write [{lo:#x}, {hi:#x}) is outside the peer's registration", peer=peer, nic=wr.nic
             )
         return None
 
     def _wr_done(self, wr: _WR) -> None:
         xfer = wr.xfer
         if xfer.left < 0:
+            xfer.engine._traffic.reported(wr.nic, wr.dst, wr.length, wr.error is None)
             self._path_done(wr)
             return
         if wr.error is None:
@@ -714,7 +723,9 @@ class SimFabric:
     def _ack(self, wr: _WR, err: BaseException | None) -> None:
         """The sender's completion of one WR."""
         xfer, engine = wr.xfer, wr.xfer.engine
+        engine._traffic.reported(wr.nic, wr.dst, wr.length, err is None)
         if xfer.left >= 0 and not xfer.early and err is not None and self._retriable(wr, err):
+            engine._traffic.retried(wr.nic)
             # Lost with a NIC while another NIC reaches the peer: retried there, with the
             # target's counts reconciled first if it carried an imm (see _reconcile).
             engine._stat_retries += 1

@@ -36,6 +36,7 @@ from ..api import TransferEngine
 from ..errors import BackendNotInstalled, BackendUnavailable, ConfigError, FabricError, PeerUnreachable
 from ..models import MemoryRegion
 from ..settings import FabricSettings, load_settings
+from ..stats import NicStats
 from ..transfer import Transfer
 from ._target import LocalTarget, RemoteTarget, Target, serve_target
 from ._util import (
@@ -184,6 +185,8 @@ class BenchReport:
     sim_throughput_wrs_per_s: float | None = None
     sim_events_per_s: float | None = None
     duration_s: float = 0.0
+    per_nic: list[dict[str, int]] = field(default_factory=list)
+    """The writer's NICs over the sweep: which carried how many bytes and work requests."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -204,6 +207,7 @@ class BenchReport:
             "submit_cost_us": self.submit_cost_us,
             "sim_throughput_wrs_per_s": self.sim_throughput_wrs_per_s,
             "sim_events_per_s": self.sim_events_per_s,
+            "per_nic": self.per_nic,
         }
 
 
@@ -672,6 +676,7 @@ def run_sweep(
         latency="round-trip" if pair.target.round_trip else "one-way",
     )
     sweep = _Sweep(pair, max(max(sizes), budget.pages * PAGE_BYTES), budget, iters, seed, timeout)
+    nics_before = pair.writer.stats().nics
     try:
         cost_imm = sweep.imm()
         desc = sweep.desc
@@ -686,6 +691,7 @@ def run_sweep(
             report.results.append(result)
             on_result(result)
         report.paged = sweep.paged()
+        report.per_nic = _nic_deltas(nics_before, pair.writer.stats().nics)
     finally:
         sweep.close()
     if pair.fabric is not None and sweep.rate_wall > 0:
@@ -693,6 +699,24 @@ def run_sweep(
         report.sim_events_per_s = sweep.rate_events / sweep.rate_wall
     report.duration_s = time.perf_counter() - t0
     return report
+
+
+def _nic_deltas(before: Sequence[NicStats], after: Sequence[NicStats]) -> list[dict[str, int]]:
+    """What each NIC carried between two ``stats().nics`` readings."""
+    start = {n.nic: n for n in before}
+    out = []
+    for n in after:
+        b = start.get(n.nic, NicStats(n.nic))
+        out.append(
+            {
+                "nic": n.nic,
+                "bytes_written": n.bytes_written - b.bytes_written,
+                "work_requests": n.work_requests - b.work_requests,
+                "errors": n.errors - b.errors,
+                "retries": n.retries - b.retries,
+            }
+        )
+    return out
 
 
 # --- presentation ---------------------------------------------------------------------------
@@ -784,6 +808,16 @@ def _print_summary(report: BenchReport) -> None:
             f"simulator throughput (bandwidth phases): {format_count(report.sim_throughput_wrs_per_s)} work "
             f"requests/s, {format_count(report.sim_events_per_s or 0.0)} events/s of wall time"
         )
+    total = sum(n["bytes_written"] for n in report.per_nic)
+    if total > 0:
+        parts = [
+            f"NIC {n['nic']} {format_size(n['bytes_written'])} ({100 * n['bytes_written'] / total:.0f}%, "
+            f"{format_count(n['work_requests'])} WRs"
+            + (f", {n['errors']} errors, {n['retries']} retried" if n["errors"] or n["retries"] else "")
+            + ")"
+            for n in report.per_nic
+        ]
+        click.echo("writer per NIC: " + "; ".join(parts))
     click.echo(f"sweep took {report.duration_s:.1f} s")
 
 

@@ -19,6 +19,7 @@ The pytest plugin (entry point ``pytest11``) adds ``--fabric-seeds N`` and param
 ``fabric_seed`` fixture over that many seeds.
 """
 
+from .bad_input import BadInputConformance
 from .conformance import (
     CallbackConformance,
     CounterConformance,
@@ -35,6 +36,7 @@ from .conformance import (
 from .harness import Harness
 
 __all__ = [
+    "BadInputConformance",
     "CallbackConformance",
     "CounterConformance",
     "FaultConformance",

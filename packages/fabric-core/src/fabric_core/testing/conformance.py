@@ -45,6 +45,8 @@ from ..ops import (
     ShardPeers,
     WriteRequest,
 )
+from ..stats import WAIT_BUCKETS_S
+from .bad_input import BadInputConformance
 from .harness import Harness
 
 T = 10.0  # every wait in the suite is bounded by this many seconds
@@ -582,6 +584,12 @@ BAD: dict[str, _Bad] = {
     "src-out-of-bounds": _Bad(
         lambda p, c: p.a.submit_write(p.src_mr, p.src_mr.length - 8, 16, p.desc, 0, imm=1), match="exceed"
     ),
+    "dst-negative-offset": _Bad(
+        lambda p, c: p.a.submit_write(p.src_mr, 0, 8, p.desc, -8, imm=1), match="non-negative"
+    ),
+    "dst-offset-past-end": _Bad(
+        lambda p, c: p.a.submit_write(p.src_mr, 0, 0, p.desc, p.desc.length + 1, imm=1), match="exceed"
+    ),
     "negative-length": _Bad(
         lambda p, c: p.a.submit_write(p.src_mr, 0, -1, p.desc, 0, imm=1), match="non-negative"
     ),
@@ -606,6 +614,9 @@ BAD: dict[str, _Bad] = {
     ),
     "read-only-target": _Bad(
         lambda p, c: p.a.submit_write(p.src_mr, 0, 8, c["ro_desc"], 0, imm=1), match="read-only"
+    ),
+    "no-remote-write-target": _Bad(
+        lambda p, c: p.a.submit_write(p.src_mr, 0, 8, c["no_write_desc"], 0, imm=1), match="read-only"
     ),
     "pinned-out-of-range": _Bad(
         lambda p, c: p.a.submit_write(p.src_mr, 0, 8, p.desc, 0, imm=1, routing=Pinned(9)), match="NIC"
@@ -662,6 +673,7 @@ class ValidationConformance(_Base):
         ctx = {
             "one_nic_desc": one.register(h.alloc(64)).descriptor,
             "ro_desc": p.b.register(ro).descriptor,
+            "no_write_desc": p.b.register(h.alloc(64), writable=False).descriptor,
             "foreign": other.register(h.alloc(64)),
             "scratch": scratch,
         }
@@ -891,7 +903,12 @@ class FaultConformance(_Base):
         assert np.array_equal(p.dst[:200_000], p.src[:200_000])
         assert np.array_equal(p.dst[200_000:240_000], p.src[:40_000])
         assert (p.dst[240_000:] == CANARY).all()
-        assert p.a.stats().retries > 0
+        stats = p.a.stats()
+        assert stats.retries > 0
+        # per NIC: the retried ones were NIC 1's, each also counted as its error
+        assert stats.nics[1].retries == stats.retries and stats.nics[0].retries == 0, stats.nics
+        assert stats.nics[1].errors >= stats.retries
+        assert all(n.inflight == 0 for n in stats.nics) and stats.peers[0].inflight == 0
         # new traffic uses the surviving NIC; the count rule does not change
         p.dst[:40_000] = CANARY
         t = p.a.submit_write(p.src_mr, 0, 40_000, p.desc, 0, imm=9)
@@ -1204,6 +1221,224 @@ class FailureConformance(_Base):
         th.join(T)
 
 
+# --------------------------------------------------------------------------------------
+class StatsConformance(_Base):
+    """``stats()`` breaks traffic down per NIC and per peer, and times counter waits."""
+
+    def test_per_nic_and_per_peer_traffic_adds_up(self, h: Harness) -> None:
+        nics = min(2, h.max_nics)
+        p = _pair(h, nics, size=1 << 18)
+        before = p.a.stats()
+        # bytes only, sharded: every NIC carries its shards (WriteImms may wait for NIC 0
+        # while a backend sets NICs > 0 up, bytes never do)
+        sizes = (100_000, 4096 * nics, 7)
+        for n in sizes:
+            p.a.submit_write(p.src_mr, 0, n, p.desc, 0, routing=Sharded()).wait(T)
+        t = p.a.submit_write(p.src_mr, 0, 60_000, p.desc, 0, imm=3, routing=Sharded())
+        p.b.counter(3).wait(t.imms_at_target, timeout=T)
+        t.wait(T)
+        after = p.a.stats()
+        assert len(after.nics) == nics and [n.nic for n in after.nics] == list(range(nics))
+        moved = sum(sizes) + 60_000
+        assert sum(n.bytes_written for n in after.nics) - sum(n.bytes_written for n in before.nics) == moved
+        assert after.bytes_written - before.bytes_written == moved
+        assert sum(n.work_requests for n in after.nics) == after.work_requests
+        if nics > 1:
+            assert all(n.bytes_written > 0 for n in after.nics), after.nics
+        assert all(n.inflight == 0 and n.errors == 0 and n.retries == 0 for n in after.nics)
+        (peer,) = after.peers
+        assert peer.peer == p.b.address
+        assert peer.bytes_written == moved and peer.work_requests == after.work_requests
+        assert peer.inflight == 0 and peer.errors == 0
+        # the target: the imms it counted, per NIC they arrived on
+        h.settle()
+        got = p.b.stats()
+        assert len(got.nics) == nics
+        assert sum(n.imms_received for n in got.nics) == got.imms_received == t.imms_at_target
+        assert got.peers == () and sum(n.work_requests for n in got.nics) == 0
+
+    def test_counter_waits_are_timed(self, h: Harness) -> None:
+        p = _pair(h)
+        assert p.b.stats().counter_waits.satisfied == 0
+        for i in range(3):
+            t = p.a.submit_imm(p.desc, 40 + i)
+            p.b.counter(40 + i).wait(1, timeout=T)
+            t.wait(T)
+        with pytest.raises(TransferTimeout):
+            p.b.counter(50).wait(1, timeout=0.05)
+        fired = threading.Event()
+        p.b.counter(51).expect(1, fired.set)
+        p.a.submit_imm(p.desc, 51).wait(T)
+        assert fired.wait(T)
+        w = p.b.stats().counter_waits
+        assert w.satisfied == 4 and w.failed == 1, w
+        assert sum(w.buckets) == 4 and len(w.buckets) == len(WAIT_BUCKETS_S) + 1
+        assert 0 <= w.total_s < 4 * T
+
+
+# --------------------------------------------------------------------------------------
+REGION = 1 << 14
+"""Bytes of the target region in the security tests; the buffer around it is three times
+that, so the bytes just outside the region (before and after it) are watched as well."""
+
+
+def _forged(desc: MemoryRegionDescriptor, **update: Any) -> MemoryRegionDescriptor:
+    """``desc`` with fields changed, as an attacker would write it: well-formed, checksummed."""
+    return MemoryRegionDescriptor.from_bytes(desc.model_copy(update=update).to_bytes())
+
+
+@dataclass
+class _Guarded:
+    """A writer ``a`` and a target ``b`` whose region under test is the middle third of the
+    canary-filled ``whole``, and a region ``ok`` of ``b`` that stays valid throughout."""
+
+    a: TransferEngine
+    b: TransferEngine
+    src: Buf
+    src_mr: MemoryRegion
+    whole: Buf
+    ok: Buf
+    ok_mr: MemoryRegion
+
+    @property
+    def region(self) -> Buf:
+        return self.whole[REGION : 2 * REGION]
+
+
+def _guarded(h: Harness) -> _Guarded:
+    a, b = h.open_engine(1), h.open_engine(1)
+    src = _data(h, 2 * REGION, 6)
+    whole, ok = _canary(h, 3 * REGION), _canary(h, 4096)
+    return _Guarded(a, b, src, a.register(src), whole, ok, b.register(ok))
+
+
+def _refused(
+    h: Harness, g: _Guarded, dst: MemoryRegionDescriptor, offset: int, length: int, *, rebased: bool = False
+) -> None:
+    """A write of ``length`` bytes at ``offset`` of ``dst`` (imm 1) fails at the writer (with
+    ``RemoteAccessError`` where the transport reports refusals), changes no byte of the
+    target's buffer, inside the region or around it, and counts no imm; the target stays
+    usable, and so does the writer where the transport survives a refusal.
+
+    ``rebased``: ``dst`` moves the region's base. A transport that addresses remote memory by
+    offset (libfabric's ``tcp``: no ``FI_MR_VIRT_ADDR``) never sends the base, so the write may
+    land inside the region, at ``offset``: then it must be exactly there."""
+    reports = h.reports_remote_access_errors
+    # (a transport that does not report refusals leaves the write incomplete: its deadline ends it)
+    t = g.a.submit_write(g.src_mr, 0, length, dst, offset, imm=1, timeout=T if reports else 0.5)
+    exc = t.exception(T)
+    h.settle()
+    time.sleep(0.1)  # bytes a transport placed late (wrongly) would show by now
+    if exc is None and rebased and offset + length <= REGION:
+        expect = np.full(3 * REGION, CANARY, np.uint8)
+        expect[REGION + offset : REGION + offset + length] = g.src[:length]
+        assert np.array_equal(g.whole, expect), "a write through a rebased descriptor left its region"
+        g.b.counter(1).wait(t.imms_at_target, timeout=T)
+        return
+    if reports:
+        assert isinstance(exc, RemoteAccessError), exc
+        assert exc.peer == g.b.address.raw.hex()
+    else:
+        assert isinstance(exc, TransportError), exc
+    assert (g.whole == CANARY).all(), f"{int((g.whole != CANARY).sum())} bytes of the target changed"
+    assert g.b.counter(1).value == 0 and g.b.stats().imms_received == 0
+    # Another writer still writes to this target; the writer still writes to another target
+    # and to this one (where the transport survives a refusal).
+    other, other_buf, other_src = h.open_engine(1), _canary(h, 4096), _data(h, 4096, 8)
+    other_mr, other_src_mr = other.register(other_buf), other.register(other_src)
+    t2 = other.submit_write(other_src_mr, 0, 4096, g.ok_mr.descriptor, 0, imm=2, timeout=T)
+    g.b.counter(2).wait(t2.imms_at_target, timeout=T)
+    t2.wait(T)
+    assert np.array_equal(g.ok, other_src)
+    if h.survives_refused_writes:
+        t3 = g.a.submit_write(g.src_mr, 0, 4096, other_mr.descriptor, 0, imm=3, timeout=T)
+        other.counter(3).wait(t3.imms_at_target, timeout=T)
+        t3.wait(T)
+        assert np.array_equal(other_buf, g.src[:4096])
+        t4 = g.a.submit_write(g.src_mr, 100, 4096, g.ok_mr.descriptor, 0, imm=4, timeout=T)
+        g.b.counter(4).wait(t4.imms_at_target, timeout=T)
+        t4.wait(T)
+        assert np.array_equal(g.ok, g.src[100:4196])
+    assert (g.whole == CANARY).all()
+
+
+OUTSIDE: dict[str, Callable[[MemoryRegionDescriptor], tuple[MemoryRegionDescriptor, int, int]]] = {
+    # a forged descriptor (larger, or with another key) and the (offset, length) of a write
+    # that its local bounds check lets through but the target's keys must refuse
+    "straddles-the-end": lambda d: (_forged(d, length=d.length + 4096), d.length - 100, 200),
+    "past-the-end": lambda d: (_forged(d, length=d.length + 4096), d.length, 256),
+    "straddles-the-start": lambda d: (_forged(d, ptr=d.ptr - 4096, length=d.length + 4096), 4000, 200),
+    "around-the-region": lambda d: (_forged(d, ptr=d.ptr - REGION, length=3 * REGION), 0, 2 * REGION),
+    "unknown-key": lambda d: (
+        _forged(d, nics=(d.nics[0].model_copy(update={"rkey": d.nics[0].rkey ^ 0x5A5A_0000}),)),
+        0,
+        256,
+    ),
+}
+
+
+_SECURITY_SEEDS = pytest.mark.fabric_seeds(4)
+"""The keys' verdict does not depend on delivery order: a few seeds suffice."""
+
+
+class SecurityConformance(_Base):
+    """A descriptor is a capability and the target's keys enforce it (docs/concepts/security.md):
+    a write outside a region, into memory registered without remote write, or through a revoked
+    descriptor fails at the writer and changes nothing at the target, whatever the descriptor
+    claims."""
+
+    @_SECURITY_SEEDS
+    @pytest.mark.parametrize("case", sorted(OUTSIDE))
+    def test_write_outside_a_region_fails_at_the_writer_and_changes_nothing(
+        self, h: Harness, case: str
+    ) -> None:
+        g = _guarded(h)
+        mr = g.b.register(g.region)
+        forged, offset, length = OUTSIDE[case](mr.descriptor)
+        if forged.ptr == mr.ptr and offset + length > mr.length:
+            with pytest.raises(ConfigError, match="exceed"):  # the true descriptor stops it locally
+                g.a.submit_write(g.src_mr, 0, length, mr.descriptor, offset, imm=1)
+            assert g.a.stats().submitted == 0
+        _refused(h, g, forged, offset, length, rebased=forged.ptr != mr.ptr)
+
+    @_SECURITY_SEEDS
+    def test_write_into_memory_registered_without_remote_write_fails_and_changes_nothing(
+        self, h: Harness
+    ) -> None:
+        g = _guarded(h)
+        mr = g.b.register(g.region, writable=False)  # writable memory, registered read-only
+        assert not mr.writable and not mr.descriptor.writable
+        with pytest.raises(ConfigError, match="read-only"):  # the true descriptor stops it locally
+            g.a.submit_write(g.src_mr, 0, 256, mr.descriptor, 0, imm=1)
+        assert g.a.stats().submitted == 0
+        _refused(h, g, _forged(mr.descriptor, writable=True), 0, 256)  # a forged claim: the keys
+
+    @_SECURITY_SEEDS
+    @pytest.mark.parametrize("revoke", ["deregister", "rekey"])
+    def test_write_through_a_revoked_descriptor_fails_and_changes_nothing(
+        self, h: Harness, revoke: str
+    ) -> None:
+        g = _guarded(h)
+        mr = g.b.register(g.region)
+        old = mr.descriptor
+        if revoke == "deregister":
+            g.b.deregister(mr)
+            _refused(h, g, old, 0, 256)
+            return
+        fresh = g.b.rekey(mr).descriptor
+        assert fresh.nics[0].rkey != old.nics[0].rkey and (fresh.ptr, fresh.length) == (old.ptr, old.length)
+        _refused(h, g, old, 0, 256)
+        # the new descriptor works (from a writer that never used the old one)
+        writer = h.open_engine(1)
+        wmr = writer.register(_data(h, 512, 7))
+        t = writer.submit_write(wmr, 0, 512, fresh, 100, imm=5, timeout=T)
+        g.b.counter(5).wait(t.imms_at_target, timeout=T)
+        t.wait(T)
+        expect = np.full(3 * REGION, CANARY, np.uint8)
+        expect[REGION + 100 : REGION + 612] = _data(h, 512, 7)
+        assert np.array_equal(g.whole, expect)
+
+
 class TransferEngineConformance(
     WriteConformance,
     PagedConformance,
@@ -1211,10 +1446,13 @@ class TransferEngineConformance(
     RoutingConformance,
     CounterConformance,
     ValidationConformance,
+    BadInputConformance,
     SendRecvConformance,
     CallbackConformance,
     FaultConformance,
     FailureConformance,
     LifecycleConformance,
+    StatsConformance,
+    SecurityConformance,
 ):
     """The whole suite."""

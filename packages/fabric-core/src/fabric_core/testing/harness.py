@@ -35,6 +35,10 @@ class Harness(ABC):
     reports_remote_access_errors: bool = True
     """A write with a stale or forged key fails at the writer (some providers never report it:
     libfabric's shm and tcp leave such a write incomplete)."""
+    survives_refused_writes: bool = True
+    """After the target refuses one of its writes (a stale or forged key), the writer goes on
+    writing to every peer. libfabric 1.17's shm wedges the writer's endpoint instead: later
+    writes to any peer never complete."""
     detects_closed_peers: bool = True
     """A write to an engine that was closed fails with ``PeerUnreachable`` at the writer.
     A transport can be silent about it (libfabric's tcp provider, or any provider across

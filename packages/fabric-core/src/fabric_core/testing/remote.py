@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from ..api import EngineStats, TransferEngine
-from ..counters import Expectation, ImmCounter, check_imm
+from ..counters import Expectation, ImmCounter, check_imm, check_wait_timeout
 from ..errors import ConfigError, EngineClosed, FabricError, PeerUnreachable, TransferCancelled
 from ..memory import memory_span
 from ..models import Capabilities, DomainAddress, DomainInfo, MemoryRegion, MemoryRegionDescriptor
@@ -397,7 +397,8 @@ class RemoteEngine(TransferEngine):
 
     def _bound(self, timeout: float | None) -> float | None:
         """How long to await the reply of a call that itself waits up to ``timeout``."""
-        limit = self._timeout if timeout is None else timeout
+        checked = check_wait_timeout(timeout)  # the local engine's ConfigError, before any call
+        limit = self._timeout if checked is None else checked
         return None if math.isinf(limit) else max(limit, 0) + _RPC_SLACK
 
     def _check_open(self) -> None:
@@ -597,6 +598,7 @@ class RemoteHarness(Harness):
         max_nics: int = 1,
         reports_remote_access_errors: bool = True,
         detects_closed_peers: bool = True,
+        survives_refused_writes: bool = True,
         spread: bool = True,
         supports_stall: bool = False,
     ) -> None:
@@ -608,6 +610,7 @@ class RemoteHarness(Harness):
         self.max_nics = max_nics
         self.reports_remote_access_errors = reports_remote_access_errors
         self.detects_closed_peers = detects_closed_peers
+        self.survives_refused_writes = survives_refused_writes
 
     def _open(self, nics: int, config: dict[str, Any]) -> TransferEngine:
         index = len(self._engines) % len(self.pool.workers) if self.spread else 0

@@ -150,6 +150,27 @@ struct PeerState {
     uint64_t peer_incarnation = 0;       // from the answer: a restart shows as a new one
     Clock::time_point hello_sent{};
     uint64_t rx_session = 0;             // as a target: the session its rx sums belong to
+    // traffic to it (stats): writes completed, their bytes, writes failed, writes posted and
+    // not reported yet
+    uint64_t wrs = 0, bytes = 0, errors = 0, inflight = 0;
+};
+
+// One NIC's traffic (stats): bumped by whoever runs progress (one thread at a time, under
+// the progress lock), read by any thread without stopping it.
+struct NicTraffic {
+    std::atomic<uint64_t> wrs{0}, bytes{0}, errors{0}, retries{0}, inflight{0}, imms{0};
+    static void bump(std::atomic<uint64_t>& c, uint64_t n = 1) { c.store(c.load(std::memory_order_relaxed) + n, std::memory_order_relaxed); }
+    static void drop(std::atomic<uint64_t>& c) {
+        uint64_t v = c.load(std::memory_order_relaxed);
+        if (v > 0) c.store(v - 1, std::memory_order_relaxed);
+    }
+};
+struct NicTrafficView {
+    uint64_t wrs, bytes, errors, retries, inflight, imms;
+};
+struct PeerTrafficView {
+    std::string address;
+    uint64_t wrs, bytes, errors, inflight;
 };
 
 struct WriteOp {
@@ -269,7 +290,7 @@ struct EngineDump {
     std::vector<PeerView> peers;
     size_t inflight_wrs = 0;
     std::vector<size_t> unposted_per_nic;
-    uint64_t pokes_sent = 0, pokes_received = 0;  // see Engine::poke
+    uint64_t pokes_sent = 0;  // see Engine::poke
 };
 
 struct EngineStats {
@@ -317,24 +338,10 @@ class Engine {
             int rc = nics_[0]->post_recv(recv_buf(i), frame_, recv_desc_, &recv_ctx_[i]);
             if (rc != 0) throw std::runtime_error("posting control receive buffers failed: " + std::to_string(rc));
         }
-        // NICs > 0 whose connections can go stale take pokes (poke()): a few small receives
-        // each, and a one-byte frame to send from.
-        poke_arena_.resize(nics_.size() * (kPokeDepth + 1) * kPokeSize);
+        traffic_.reset(new NicTraffic[nics_.size()]);
+        poke_frame_.assign(nics_.size(), kFramePoke);  // registered at a NIC's first poke
         poke_desc_.assign(nics_.size(), nullptr);
-        poke_rx_.resize(nics_.size() * kPokeDepth);
-        for (uint32_t n = 1; n < nics_.size(); n++) {
-            if (!nics_[n]->stale_peers()) continue;
-            poke_desc_[n] = nics_[n]->local_desc(poke_buf(n, 0), (kPokeDepth + 1) * kPokeSize);
-            poke_buf(n, kPokeDepth)[0] = kFramePoke;
-            for (uint32_t i = 0; i < kPokeDepth; i++) {
-                OpCtx& op = poke_rx_[n * kPokeDepth + i];
-                op.kind = 2;
-                op.nic = n;
-                op.src = i;
-                int rc = nics_[n]->post_recv(poke_buf(n, i), kPokeSize, poke_desc_[n], &op);
-                if (rc != 0) throw std::runtime_error("posting poke receive buffers failed: " + std::to_string(rc));
-            }
-        }
+        poke_ready_.assign(nics_.size(), 0);
         self_address_ = nics_[0]->address();
         attrib_.resize(nics_.size());
         unattributed_.assign(nics_.size(), 0);
@@ -486,6 +493,27 @@ class Engine {
         return s;
     }
 
+    // Per NIC: writes completed, bytes, writes failed, of those retried, writes in flight,
+    // imms counted that arrived on it. Lock-free.
+    std::vector<NicTrafficView> nic_traffic() const {
+        std::vector<NicTrafficView> out;
+        for (size_t n = 0; n < nics_.size(); n++) {
+            const NicTraffic& t = traffic_[n];
+            out.push_back(NicTrafficView{t.wrs.load(), t.bytes.load(), t.errors.load(), t.retries.load(),
+                                         t.inflight.load(), t.imms.load()});
+        }
+        return out;
+    }
+
+    // Per peer written to (by its NIC 0 address). Takes the progress lock (briefly).
+    std::vector<PeerTrafficView> peer_traffic() {
+        std::lock_guard<std::mutex> lock(progress_mu_);
+        std::vector<PeerTrafficView> out;
+        for (const auto& [addr, p] : peer_state_)
+            if (p.wrs + p.errors + p.inflight > 0) out.push_back(PeerTrafficView{addr, p.wrs, p.bytes, p.errors, p.inflight});
+        return out;
+    }
+
     // Failure detection: probe a peer that work depends on after ``interval_s`` without a sign
     // of life (0: never probe), declare it lost when a probe stays unanswered ``timeout_s``;
     // requests with no deadline of their own complete with kTimeout ``transfer_timeout_s``
@@ -575,7 +603,6 @@ class Engine {
         out.inflight_wrs = inflight_;
         for (auto& q : pending_) out.unposted_per_nic.push_back(q.size());
         out.pokes_sent = pokes_sent_;
-        out.pokes_received = pokes_received_;
         for (const auto& [id, r] : live_) {
             RequestView v{};
             v.id = id;
@@ -807,6 +834,7 @@ class Engine {
                 }
                 if (rc != 0 && op->kind == 0 && path_lost(*op, kPeerUnreachable, std::strerror(-rc), false)) continue;
                 if (rc != 0) {
+                    if (op->kind == 0) NicTraffic::bump(traffic_[n].errors);
                     bool unreachable = rc == -EHOSTUNREACH || rc == -ECONNREFUSED || rc == -ENOTCONN;
                     std::string why = std::string("posting failed: ") + std::strerror(-rc);
                     if (unreachable) transport_lost(*op);
@@ -873,6 +901,10 @@ class Engine {
         w.has_imm = imm;
         w.imm = r.imm;
         int rc = nics_[n]->post_write(w, &op);
+        if (rc == 0) {
+            NicTraffic::bump(traffic_[n].inflight);
+            t.state->inflight++;
+        }
         if (rc == 0 && path) {
             if (imm) path->imm_busy++;
             if (path->busy++ == 0) path->progress = now_;
@@ -910,6 +942,7 @@ class Engine {
         // otherwise); imms arriving on NICs > 0 are attributed to their sender for NIC loss.
         void on_imm(uint32_t imm, uint64_t src) {
             self->imm_counts_[imm]++;
+            NicTraffic::bump(self->traffic_[nic].imms);
             if (nic > 0) self->attribute(nic, src, imm);
         }
         void on_error(void* ctx, int32_t status, const std::string& message) {
@@ -921,6 +954,7 @@ class Engine {
                 return;
             }
             if (op->kind == 0) {
+                self->reported(*op, false);
                 PathState* path = self->path_of(*op);
                 if (path != nullptr) {
                     self->path_reported(*path);
@@ -945,6 +979,7 @@ class Engine {
 
     // A write's successful completion (from a domain's poll).
     void write_done(OpCtx& op) {
+        reported(op, true);
         PathState* path = path_of(op);
         if (path != nullptr) {
             path_reported(*path);
@@ -965,6 +1000,30 @@ class Engine {
             return;
         }
         finish_op(op);
+    }
+
+    // A posted write was reported (``ok``: completed): the traffic counters move.
+    void reported(const OpCtx& op, bool ok) {
+        if (op.kind != 0 || op.nic >= nics_.size()) return;
+        NicTraffic& t = traffic_[op.nic];
+        NicTraffic::drop(t.inflight);
+        uint64_t len = op.mode == OpCtx::kImmOnly ? 0 : op.len;
+        if (ok) {
+            NicTraffic::bump(t.wrs);
+            NicTraffic::bump(t.bytes, len);
+        } else {
+            NicTraffic::bump(t.errors);
+        }
+        const Request& r = *op.request;
+        PeerState* p = op.target < r.targets.size() ? r.targets[op.target]->state : nullptr;
+        if (p == nullptr) return;
+        if (p->inflight > 0) p->inflight--;
+        if (ok) {
+            p->wrs++;
+            p->bytes += len;
+        } else {
+            p->errors++;
+        }
     }
 
     void path_reported(PathState& path) {
@@ -1039,11 +1098,6 @@ class Engine {
     }
 
     void got_message(OpCtx& op, size_t len) {
-        if (op.nic > 0) {  // a poke (poke()): it did its work by arriving
-            pokes_received_++;
-            nics_[op.nic]->post_recv(poke_buf(op.nic, op.src), kPokeSize, poke_desc_[op.nic], &op);
-            return;
-        }
         const char* buf = recv_buf(op.src);
         // [type][address length][address][body]; a user frame's address and body are the
         // Python header and payload, handed on without the type byte.
@@ -1176,6 +1230,11 @@ class Engine {
         PeerState& p = *r.targets[op.target]->state;
         if (p.lost || p.paths.size() <= op.nic) return false;
         PathState& path = p.paths[op.nic];
+        NicTraffic::bump(traffic_[op.nic].retries);
+        if (!posted) {  // refused at posting: a failure of this NIC all the same
+            NicTraffic::bump(traffic_[op.nic].errors);
+            p.errors++;
+        }
         if (now_ >= path.down_until) {  // newly down: a fresh connection when it is tried again
             path.down_until = now_ + path_retry_after() * (1u << std::min<uint32_t>(path.fails++, 4));
             evict_path(p, op.nic);
@@ -1235,12 +1294,22 @@ class Engine {
     // and this side, which only received on it, never saw that) still looks alive here, and
     // rxm refuses each new connection ``p`` makes from the same process while it does
     // (EALREADY: "simultaneous connect"), so ``p``'s path would never come back. Sending on it
-    // meets the reset, and the provider drops it. On a live connection the poke just arrives
-    // (and is dropped there); its completion, good or bad, only frees its context.
+    // meets the reset, and the provider drops it. On a live connection the poke arrives where
+    // no receive is posted (NICs > 0 take none): rxm keeps it as an unexpected message, one
+    // small buffer per poke until the endpoint closes, and pokes are as rare as path resets.
+    // Its completion, good or bad, only frees its context.
     void poke(PeerState& p, uint32_t n) {
         if (!nics_[n]->stale_peers() || n >= p.nic_addrs.size() || p.nic_addrs[n].empty()) return;
         uint64_t handle = 0;
         if (!resolve(n, p.nic_addrs[n], handle)) return;
+        if (!poke_ready_[n]) {
+            try {
+                poke_desc_[n] = nics_[n]->local_desc(&poke_frame_[n], 1);
+            } catch (const std::exception&) {
+                return;  // no poke: the path may stay refused (as before pokes)
+            }
+            poke_ready_[n] = 1;
+        }
         OpCtx* op;
         if (free_probes_.empty()) {
             probe_ctx_.emplace_back();
@@ -1252,7 +1321,7 @@ class Engine {
         *op = OpCtx{};
         op->kind = 3;  // no slot, no peer it probes: its end only releases it
         op->nic = n;
-        if (nics_[n]->post_send(poke_buf(n, kPokeDepth), 1, poke_desc_[n], handle, op) == 0) {
+        if (nics_[n]->post_send(&poke_frame_[n], 1, poke_desc_[n], handle, op) == 0) {
             pokes_sent_++;
         } else {
             release_probe(*op);  // -EAGAIN (connecting): a new connection is not stale
@@ -1844,10 +1913,7 @@ class Engine {
     char* send_slot(size_t i) { return send_arena_.data() + i * frame_; }
     static constexpr char kFrameUser = 0, kFramePing = 1, kFramePong = 2, kFrameHello = 3, kFrameHelloAck = 4,
                           kFrameQuery = 5, kFrameCounts = 6, kFramePathReset = 7, kFramePoke = 8;
-    // pokes (poke()): per NIC > 0, kPokeDepth receive buffers and one to send from
-    static constexpr uint32_t kPokeDepth = 4;
-    static constexpr size_t kPokeSize = 64;
-    char* poke_buf(uint32_t n, size_t i) { return poke_arena_.data() + (n * (kPokeDepth + 1) + i) * kPokeSize; }
+
     static constexpr int kRerouted = 1;  // post(): the op moved to another NIC's queue
     std::string self_address_;
     // failure detection (worker only)
@@ -1902,10 +1968,11 @@ class Engine {
     void* send_desc_ = nullptr;
     std::vector<uint32_t> free_slots_;  // worker only
     std::vector<OpCtx> recv_ctx_;
-    std::vector<char> poke_arena_;
-    std::vector<void*> poke_desc_;
-    std::vector<OpCtx> poke_rx_;
-    uint64_t pokes_sent_ = 0, pokes_received_ = 0;  // worker only (dump)
+    std::vector<char> poke_frame_;   // per NIC: the byte a poke sends
+    std::vector<void*> poke_desc_;   // its registration there (at the first poke)
+    std::vector<char> poke_ready_;   // per NIC: registered
+    uint64_t pokes_sent_ = 0;        // worker only (dump)
+    std::unique_ptr<NicTraffic[]> traffic_;          // per NIC (stats)
 
     std::mutex out_mu_;
     std::condition_variable out_cv_;

@@ -281,6 +281,28 @@ class PyEngine {
         return d;
     }
 
+    // Per NIC: (work requests, bytes, errors, retries, in flight, imms received).
+    std::vector<std::tuple<uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t>> nic_stats() const {
+        std::vector<std::tuple<uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t>> out;
+        for (const auto& t : engine_ ? engine_->nic_traffic() : final_nics_)
+            out.emplace_back(t.wrs, t.bytes, t.errors, t.retries, t.inflight, t.imms);
+        return out;
+    }
+
+    // Per peer written to: (NIC 0 address, work requests, bytes, errors, in flight).
+    std::vector<std::tuple<py::bytes, uint64_t, uint64_t, uint64_t, uint64_t>> peer_stats() {
+        std::vector<PeerTrafficView> views;
+        if (engine_) {
+            py::gil_scoped_release release;
+            views = engine_->peer_traffic();
+        } else {
+            views = final_peers_;
+        }
+        std::vector<std::tuple<py::bytes, uint64_t, uint64_t, uint64_t, uint64_t>> out;
+        for (const auto& v : views) out.emplace_back(py::bytes(v.address), v.wrs, v.bytes, v.errors, v.inflight);
+        return out;
+    }
+
     // See Engine::cancel: (whether it was running, the peers it was writing to).
     std::pair<bool, std::vector<py::bytes>> cancel(uint64_t id) {
         if (!engine_ || closed_) return {false, {}};
@@ -356,7 +378,6 @@ class PyEngine {
             d["inflight_work_requests"] = e.inflight_wrs;
             d["unposted_per_nic"] = e.unposted_per_nic;
             d["pokes_sent"] = e.pokes_sent;
-            d["pokes_received"] = e.pokes_received;
         }
         d["requests"] = requests;
         d["peers"] = peers;
@@ -387,7 +408,9 @@ class PyEngine {
         close();
         if (!engine_) return;
         final_stats_ = engine_->stats();
+        final_nics_ = engine_->nic_traffic();
         py::gil_scoped_release release;
+        final_peers_ = engine_->peer_traffic();
         engine_.reset();
     }
 
@@ -453,6 +476,8 @@ class PyEngine {
     uint64_t next_handle_ = 1;
     bool closed_ = false;
     EngineStats final_stats_;  // what stats() reports once the engine is destroyed
+    std::vector<NicTrafficView> final_nics_;    // and nic_stats()
+    std::vector<PeerTrafficView> final_peers_;  // and peer_stats()
     std::unique_ptr<fast::FastPlanner> fast_;  // guarded by the GIL
     uint64_t rotation_ = 0;                           // guarded by the GIL
     uint64_t fast_submitted_ = 0;                     // guarded by the GIL
@@ -488,6 +513,8 @@ void bind_engine(py::class_<Cls, Options...>& c) {
         .def("fast_submitted", &Cls::fast_submitted)
         .def("plan_only", &Cls::plan_only, py::arg("kind"), py::arg("args"), py::arg("rotation"))
         .def("stats", &Cls::stats)
+        .def("nic_stats", &Cls::nic_stats)
+        .def("peer_stats", &Cls::peer_stats)
         .def("configure_liveness", &Cls::configure_liveness, py::arg("interval_s"), py::arg("timeout_s"),
              py::arg("transfer_timeout_s"))
         .def("dump_state", &Cls::dump_state)
