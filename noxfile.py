@@ -267,10 +267,20 @@ def efa_bench(session: nox.Session) -> None:
 
 @nox.session
 def soak(session: nox.Session) -> None:
-    """The conformance suite over many more seeds (FABRIC_SOAK_SEEDS, default 200)."""
+    """The conformance suite over many more seeds (FABRIC_SOAK_SEEDS, default 200), then the
+    efa soak across processes with NIC faults for FABRIC_SOAK_MINUTES per provider (default 5):
+    exact counts, flat descriptors and threads, memory slopes (benchmarks/soak.py)."""
     _install(session, "test")
     seeds = os.environ.get("FABRIC_SOAK_SEEDS", "200")
     session.run("pytest", "packages/fabric-sim/tests", "-q", "--fabric-seeds", seeds, *session.posargs)
+    _system_packages(session, "libfabric-dev", "g++", "cmake", "pkg-config")
+    session.install(*CONSTRAINTS, "pybind11", "scikit-build-core")
+    session.install(*CONSTRAINTS, "--no-build-isolation", "./packages/fabric-efa")
+    minutes = os.environ.get("FABRIC_SOAK_MINUTES", "5")
+    out = ROOT / "bench-results" / "soak.json"
+    session.run(
+        "python", "benchmarks/soak.py", "--minutes", minutes, "--json", str(out), env={"FI_TCP_IFACE": "lo"}
+    )
 
 
 # `nox -s sanitize` (docs/backends/efa.md, "Sanitizers"): the compiled backends built with ASan and
