@@ -1310,16 +1310,7 @@ class Engine {
             }
             poke_ready_[n] = 1;
         }
-        OpCtx* op;
-        if (free_probes_.empty()) {
-            probe_ctx_.emplace_back();
-            op = &probe_ctx_.back();
-        } else {
-            op = free_probes_.back();
-            free_probes_.pop_back();
-        }
-        *op = OpCtx{};
-        op->kind = 3;  // no slot, no peer it probes: its end only releases it
+        OpCtx* op = new_probe();  // no slot, no peer it probes: its end only releases it
         op->nic = n;
         if (nics_[n]->post_send(&poke_frame_[n], 1, poke_desc_[n], handle, op) == 0) {
             pokes_sent_++;
@@ -1579,16 +1570,7 @@ class Engine {
             if (error) *error = -EHOSTUNREACH;
             return false;
         }
-        OpCtx* op;
-        if (free_probes_.empty()) {
-            probe_ctx_.emplace_back();
-            op = &probe_ctx_.back();
-        } else {
-            op = free_probes_.back();
-            free_probes_.pop_back();
-        }
-        *op = OpCtx{};
-        op->kind = 3;
+        OpCtx* op = new_probe();
         op->target = fencing ? 1 : 0;
         op->dst_off = reinterpret_cast<uint64_t>(about);
         op->src = uint64_t(free_slots_.back()) + 1;
@@ -1607,6 +1589,22 @@ class Engine {
             return false;
         }
         return true;
+    }
+
+    // A fresh context for a frame that belongs to no request (probe, answer, poke): kind 3,
+    // from the free list, or a new one (probe_ctx_ keeps their addresses stable).
+    OpCtx* new_probe() {
+        OpCtx* op;
+        if (free_probes_.empty()) {
+            probe_ctx_.emplace_back();
+            op = &probe_ctx_.back();
+        } else {
+            op = free_probes_.back();
+            free_probes_.pop_back();
+        }
+        *op = OpCtx{};
+        op->kind = 3;
+        return op;
     }
 
     void release_probe(OpCtx& op) {
