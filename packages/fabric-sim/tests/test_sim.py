@@ -5,7 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fabric_core import ConfigError, PeerUnreachable, Pinned, Sharded, TransportError, load_settings
+from fabric_core import (
+    ConfigError,
+    PeerUnreachable,
+    Pinned,
+    Sharded,
+    TransferCancelled,
+    TransportError,
+    load_settings,
+)
 from fabric_sim import SimBackend, SimFabric, default_fabric, link_preset
 from fabric_sim.testing import SimHarness
 
@@ -136,3 +144,46 @@ def test_messages_beyond_posted_receives_wait_for_a_buffer() -> None:
     outcomes = [type(t.exception(10)).__name__ for t in late]
     assert sorted(outcomes) == ["NoneType", "NoneType", "PeerUnreachable"]  # the parked one fails
     a.close()
+
+
+def _stage_cancelled_ghost(seed: int):  # type: ignore[no-untyped-def]
+    """A WriteImm cancelled after it landed (counted) and before its acknowledgement, which
+    its NIC going down then turns into a failure; behind it, live WriteImms fail on that NIC.
+    Returns None where this seed's event order does not stage that."""
+    fabric = SimFabric(seed, chunk_bytes=4096)
+    a, b, src, dst, smr, dmr = _pair(fabric, 2, 8 * 4096)
+    with fabric.paused():
+        doomed = a.submit_write(smr, 0, 4096, dmr.descriptor, 0, imm=40, routing=Pinned(1))
+        live = [
+            a.submit_write(smr, i * 4096, 4096, dmr.descriptor, i * 4096, imm=41, routing=Pinned(1))
+            for i in range(1, 5)
+        ]
+        fabric.fail_nic(a, 1)  # everything above is on the wire on NIC 1
+        for _ in range(200):  # up to the doomed write's count, not its acknowledgement
+            if b.counter(40).value or doomed.done():
+                break
+            fabric.step()
+        staged = b.counter(40).value == 1 and doomed.cancel(timeout=1.0)
+    if not staged:
+        a.close()
+        b.close()
+        return None
+    return fabric, a, b, src, dst, doomed, live
+
+
+def test_a_cancelled_writeimm_counted_before_its_nic_failed_is_accounted_for() -> None:
+    """The live WriteImms that failed with the NIC are reconciled and retried: the count the
+    cancelled one left at the target is owed to it, not taken for theirs."""
+    staged = [s for s in map(_stage_cancelled_ghost, range(12)) if s is not None]
+    assert staged, "no seed staged the case"
+    for fabric, a, b, src, dst, doomed, live in staged:
+        for t in live:
+            assert t.exception(10) is None
+        b.counter(41).wait(4, timeout=10)
+        assert np.array_equal(dst[4096 : 5 * 4096], src[4096 : 5 * 4096])
+        fabric.quiesce()
+        assert b.counter(41).value == 0 and b.counter(40).value == doomed.imms_at_target == 1
+        assert isinstance(doomed.exception(0), TransferCancelled)
+        assert a.stats().retries >= 1
+        a.close()
+        b.close()

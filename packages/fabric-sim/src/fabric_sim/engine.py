@@ -54,6 +54,10 @@ class SimEngine(EngineBase):
         # of the imms this engine got through it (as a sender) and counted from it (target).
         self._path_busy: dict[tuple[int, int], int] = {}
         self._path_failed: dict[tuple[int, int], list[_WR]] = {}
+        # WriteImms of ended transfers (cancelled, past their deadline) that failed on a path:
+        # not retried, but they may have been counted, so its next reconciliation counts them
+        # among the failed ones (imm -> how many)
+        self._path_ghosts: dict[tuple[int, int], dict[int, int]] = {}
         self._tx_sums: dict[tuple[int, int], PowerSums] = {}
         self._rx_sums: dict[tuple[int, int], PowerSums] = {}
         self._traffic = TrafficTally(nics)  # stats(), under the fabric lock

@@ -294,7 +294,7 @@ class SimFabric:
             for key in revived:
                 self._lost.discard(key)
             for waiting in list(self._engines.values()):  # reconciliations it held up
-                for dst, nic in list(waiting._path_failed):
+                for dst, nic in {*waiting._path_failed, *waiting._path_ghosts}:
                     if dst == engine.engine_id and (dst, nic) not in waiting._path_busy:
                         self._reconcile(waiting, dst, nic)
             self._cv.notify_all()
@@ -717,22 +717,27 @@ class SimFabric:
             busy[key] = left
         else:
             busy.pop(key, None)
-            if key in wr.xfer.engine._path_failed:
-                self._reconcile(wr.xfer.engine, *key)
+            engine = wr.xfer.engine
+            if key in engine._path_failed or key in engine._path_ghosts:
+                self._reconcile(engine, *key)
 
     def _ack(self, wr: _WR, err: BaseException | None) -> None:
         """The sender's completion of one WR."""
         xfer, engine = wr.xfer, wr.xfer.engine
         engine._traffic.reported(wr.nic, wr.dst, wr.length, err is None)
-        if xfer.left >= 0 and not xfer.early and err is not None and self._retriable(wr, err):
-            engine._traffic.retried(wr.nic)
-            # Lost with a NIC while another NIC reaches the peer: retried there, with the
-            # target's counts reconciled first if it carried an imm (see _reconcile).
-            engine._stat_retries += 1
-            engine._path_failed.setdefault((wr.dst, wr.nic), []).append(wr)
-            self._path_done(wr)
-            return
-        if err is None and wr.imm is not None and xfer.left >= 0:
+        if err is not None and self._retriable(wr, err):
+            if xfer.left >= 0 and not xfer.early:
+                engine._traffic.retried(wr.nic)
+                # Lost with a NIC while another NIC reaches the peer: retried there, with the
+                # target's counts reconciled first if it carried an imm (see _reconcile).
+                engine._stat_retries += 1
+                engine._path_failed.setdefault((wr.dst, wr.nic), []).append(wr)
+                self._path_done(wr)
+                return
+            if wr.imm is not None:  # its transfer ended: not retried, but it may have counted
+                ghosts = engine._path_ghosts.setdefault((wr.dst, wr.nic), {})
+                ghosts[wr.imm] = ghosts.get(wr.imm, 0) + 1
+        if err is None and wr.imm is not None:  # (an ended transfer's too: it was counted)
             sums = engine._tx_sums.get((wr.dst, wr.nic))
             if sums is None:
                 sums = engine._tx_sums[(wr.dst, wr.nic)] = PowerSums()
@@ -804,13 +809,16 @@ class SimFabric:
         target may already be done with the memory, so nothing is rewritten."""
         if dst in self._stalled:
             return  # (its resumption reconciles; a lost peer fails the transfers meanwhile)
-        failed = engine._path_failed.pop((dst, nic))
+        failed = engine._path_failed.pop((dst, nic), [])
+        ghosts = engine._path_ghosts.pop((dst, nic), {})
         live: list[_WR] = []
         for w in failed:
             if w.xfer.left >= 0 and not w.xfer.early:
                 live.append(w)
             else:
-                self._settle(w, None)  # its transfer ended: reaped
+                if w.imm is not None:  # its transfer ended: reaped, but it may have counted
+                    ghosts[w.imm] = ghosts.get(w.imm, 0) + 1
+                self._settle(w, None)
         target = self._engines.get(dst)
         if target is None:
             gone = PeerUnreachable(f"peer {self.address(dst, 0)} is gone")
@@ -824,11 +832,14 @@ class SimFabric:
                 again = self._post_retry(w, None, w.length, w.batch)
                 if again is not None:
                     again.carrier = w.carrier
-        if not with_imm:
+        if not with_imm and not ghosts:
             return
-        counts: dict[int, int] = {}
+        live_counts: dict[int, int] = {}
         for _w, imm in with_imm:
-            counts[imm] = counts.get(imm, 0) + 1
+            live_counts[imm] = live_counts.get(imm, 0) + 1
+        counts = dict(ghosts)
+        for imm, n in live_counts.items():
+            counts[imm] = counts.get(imm, 0) + n
         rx = target._rx_sums.get((engine.engine_id, nic), PowerSums())
         tx = engine._tx_sums.setdefault((dst, nic), PowerSums())
         landed = landed_per_imm(rx.minus(tx), counts)
@@ -844,9 +855,14 @@ class SimFabric:
             return
         for imm, n in landed.items():
             tx.add(imm, n)  # counted at the target: the path's sums agree again
-        short = {imm: counts[imm] - n for imm, n in landed.items()}
+        # Of each value's landed ones, the ended transfers' are taken to be first: a live
+        # WriteImm is made up unless it surely landed (as the compiled engine does).
+        short = {
+            imm: n - min(n, max(0, landed[imm] - ghosts.get(imm, 0))) for imm, n in live_counts.items()
+        }
+        every = {imm for imm, n in short.items() if n == 0}
         for w, imm in with_imm:
-            if landed[imm] == counts[imm]:
+            if imm in every:
                 self._settle(w, None)  # all of this value landed
                 continue
             again = self._post_retry(w, None, w.length, batch)

@@ -198,6 +198,7 @@ def run_soak(
                 extra = target.counter(imm).value
                 if extra:
                     report.problems.append(f"round {r}: imm {imm} counted {extra} more than imms_at_target")
+                    target.counter(imm).wait(extra, timeout=T)  # reported once, not every cycle
             r += 1
             report.rounds = r
             if r % sample_every == 0:

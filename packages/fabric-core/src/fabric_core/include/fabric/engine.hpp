@@ -120,6 +120,10 @@ struct PathState {
                                      // up on sooner when tried again (stall_limit)
     Clock::time_point progress{};    // its last completion (or when it last became busy)
     std::vector<OpCtx*> failed;      // WriteImms lost with it, awaiting reconciliation
+    // imm -> how many WriteImms of ended requests (cancelled, past their deadline) failed on
+    // it after they were posted: not retried, but they may have landed and been counted, so
+    // the next reconciliation counts them among the failed ones (or nothing else fits)
+    std::map<uint32_t, uint64_t> ghosts;
     bool querying = false;           // a count query is out (nonces query_first .. query_nonce)
     uint64_t query_first = 0, query_nonce = 0;
     Clock::time_point query_sent{};
@@ -1130,7 +1134,10 @@ class Engine {
                         std::memcpy(&p.peer_incarnation, extra, 8);
                         p.reconcilable = extra[8] != 0;
                         if (p.paths.size() != nics_.size()) p.paths.resize(nics_.size());
-                        for (auto& path : p.paths) path.tx = PowerSums{};
+                        for (auto& path : p.paths) {
+                            path.tx = PowerSums{};
+                            path.ghosts.clear();
+                        }
                     }
                 } else if (buf[0] == kFramePathReset && it != peer_state_.end() && elen >= 1) {
                     // The peer lost its NIC k path to this engine: drop this side's connection
@@ -1224,12 +1231,16 @@ class Engine {
     // WriteImm. Returns false where the failure is the request's (NIC 0, a refused key, a
     // request already ended): the caller fails the op as before.
     bool path_lost(OpCtx& op, int32_t status, const std::string& message, bool posted) {
-        if (op.kind != 0 || op.nic == 0 || status == kRemoteAccess || op.request->abandoned) return false;
+        if (op.kind != 0 || op.nic == 0 || status == kRemoteAccess) return false;
         Request& r = *op.request;
         if (op.target >= r.targets.size() || r.targets[op.target]->state == nullptr) return false;
         PeerState& p = *r.targets[op.target]->state;
         if (p.lost || p.paths.size() <= op.nic) return false;
         PathState& path = p.paths[op.nic];
+        if (r.abandoned) {  // ended: failed as it is, but what it may have counted is owed
+            if (posted && op_imm(op) && p.session_ok) path.ghosts[r.imm]++;
+            return false;
+        }
         NicTraffic::bump(traffic_[op.nic].retries);
         if (!posted) {  // refused at posting: a failure of this NIC all the same
             NicTraffic::bump(traffic_[op.nic].errors);
@@ -1396,14 +1407,17 @@ class Engine {
                                        " s";
                     evict_path(p, k);
                 }
-                if (path.failed.empty()) continue;
+                if (path.failed.empty() && path.ghosts.empty()) continue;
                 // requests that ended meanwhile (deadline, cancel): nothing to retry
                 auto ended = std::stable_partition(path.failed.begin(), path.failed.end(),
                                                    [](OpCtx* op) { return !op->request->abandoned; });
                 std::vector<OpCtx*> gone(ended, path.failed.end());
                 path.failed.erase(ended, path.failed.end());
-                for (OpCtx* op : gone) settle(*op);
-                if (path.failed.empty()) {
+                for (OpCtx* op : gone) {
+                    path.ghosts[op->request->imm]++;  // (it may have been counted all the same)
+                    settle(*op);
+                }
+                if (path.failed.empty() && path.ghosts.empty()) {
                     path.querying = false;
                     continue;
                 }
@@ -1462,6 +1476,7 @@ class Engine {
         PathState& path = p.paths[k];
         std::vector<OpCtx*> failed;
         failed.swap(path.failed);
+        path.ghosts.clear();  // (the session they belong to is over, or cannot reconcile)
         path.querying = false;
         unreconciled_.fetch_add(failed.size(), std::memory_order_relaxed);
         for (OpCtx* op : failed) {
@@ -1481,15 +1496,28 @@ class Engine {
         bool valid = body[16] != 0;
         PowerSums rx;
         std::memcpy(rx.s.data(), body + 17, sizeof(Sums));
-        std::map<uint32_t, uint64_t> counts;
-        for (OpCtx* op : path.failed) counts[op->request->imm]++;
+        // every WriteImm that failed on the path and may have been counted: those to retry,
+        // and those of ended requests (not retried)
+        std::map<uint32_t, uint64_t> live, counts = path.ghosts;
+        for (OpCtx* op : path.failed) {
+            live[op->request->imm]++;
+            counts[op->request->imm]++;
+        }
         std::optional<std::map<uint32_t, uint64_t>> landed;
-        if (valid && p.session_ok && session == p.session && incarnation == p.peer_incarnation)
+        const char* why = nullptr;
+        if (!valid) {
+            why = session == 0 ? "it holds no counts of this engine's session"
+                               : "it counted imms on that NIC whose sender it could not tell";
+        } else if (!p.session_ok || session != p.session || incarnation != p.peer_incarnation) {
+            why = "they belong to another session";
+        } else {
             landed = landed_per_imm(rx.minus(path.tx), counts);
+            if (!landed) why = "they do not fit the failed WriteImms";
+        }
         if (!landed) {
             end_session(p);  // a fresh session before NICs > 0 carry its WriteImms again
             fail_path(p, k, "its NIC " + std::to_string(k) + " was lost (" + last_path_error_ +
-                                ") and the peer's counts do not tell which of its WriteImms landed");
+                                ") and the peer's counts do not tell which of its WriteImms landed (" + why + ")");
             return;
         }
         for (const auto& [x, n] : *landed) {
@@ -1497,14 +1525,25 @@ class Engine {
             landed_unacked_.fetch_add(n, std::memory_order_relaxed);
         }
         reconciled_.fetch_add(path.failed.size(), std::memory_order_relaxed);
+        // Of each value's landed ones, the ended requests' are taken to be first: a live
+        // WriteImm is made up unless it surely landed. (Where both carry one value, the
+        // target may count up to the ended ones' number more: what an ended request may
+        // land, as it could have had it not failed.)
         std::map<uint32_t, uint64_t> short_by;
-        for (const auto& [x, n] : counts) short_by[x] = n - (*landed)[x];
+        for (const auto& [x, n] : live) {
+            uint64_t ghost = path.ghosts.count(x) ? path.ghosts[x] : 0;
+            uint64_t got = (*landed)[x];
+            short_by[x] = n - std::min<uint64_t>(n, got > ghost ? got - ghost : 0);
+        }
+        std::map<uint32_t, bool> all_landed;
+        for (const auto& [x, n] : short_by) all_landed[x] = n == 0;
+        path.ghosts.clear();
         std::vector<OpCtx*> failed;
         failed.swap(path.failed);
         RetryBatch* batch = nullptr;
         for (OpCtx* op : failed) {
             uint32_t x = op->request->imm;
-            if ((*landed)[x] == counts[x]) {  // every one of this imm landed
+            if (all_landed[x]) {  // every one of this value landed
                 op->state = OpCtx::kPosted;
                 finish_op(*op);
                 continue;
