@@ -67,6 +67,7 @@ def _docs(session: nox.Session) -> None:
 
 
 def _pytest(session: nox.Session) -> None:
+    _system_packages(session, "g++")  # tests/test_native_frames.py builds a native program
     session.run(
         "pytest",
         "--cov",
@@ -286,7 +287,13 @@ def soak(session: nox.Session) -> None:
 # `nox -s sanitize` (docs/backends/efa.md, "Sanitizers"): the compiled backends built with ASan and
 # UBSan and their device-free tests run under them, and the engine core's threads under TSan.
 SANITIZE = "address,undefined"
-TSAN_TEST = ROOT / "packages" / "fabric-core" / "tests" / "native" / "tsan_engine.cpp"
+NATIVE_TESTS = ROOT / "packages" / "fabric-core" / "tests" / "native"
+TSAN_TEST = NATIVE_TESTS / "tsan_engine.cpp"
+# The control-frame fuzz target (libFuzzer), its corpus and the findings kept as regressions.
+FRAMES_TARGET = NATIVE_TESTS / "fuzz_frames.cpp"
+FRAMES_CORPUS = ROOT / "tests" / "fuzz" / "corpus-frames"
+FRAMES_CRASHES = ROOT / "tests" / "fuzz" / "frame-crashes"
+ENGINE_INCLUDE = ROOT / "packages" / "fabric-core" / "src" / "fabric_core" / "include"
 # The efa tests run under ASan: the conformance suite (shm and tcp, in-process and across
 # processes), the counters and the fast path. Not the netns labs: they spend their time in
 # timeouts and the kernel's networking, not in our code, and would double the session.
@@ -328,24 +335,25 @@ def _sanitize(session: nox.Session) -> None:
     (build/sanitize in each package) and their device-free tests run under them. Any report
     fails the session. FABRIC_SANITIZE_SEEDS: conformance seeds (default 1)."""
     _system_packages(session, "libfabric-dev", "libibverbs-dev", "g++", "cmake", "pkg-config")
-    tsan = str(Path(session.create_tmp()) / "tsan_engine")
-    include = str(ROOT / "packages" / "fabric-core" / "src" / "fabric_core" / "include")
+    tmp = Path(session.create_tmp())
+    tsan, frames = str(tmp / "tsan_engine"), str(tmp / "fuzz_frames_replay")
+    cxx = ("g++", "-std=c++17", "-Wall", "-g", "-O1", "-I", str(ENGINE_INCLUDE))
+    session.run(*cxx, "-fsanitize=thread", str(TSAN_TEST), "-o", tsan, "-pthread", external=True)
+    session.run(tsan, external=True, env={"TSAN_OPTIONS": "halt_on_error=1:second_deadlock_stack=1"})
+    # the control-frame fuzz corpus and its kept findings, replayed under ASan and UBSan
     session.run(
-        "g++",
-        "-std=c++17",
-        "-Wall",
-        "-fsanitize=thread",
-        "-g",
-        "-O1",
-        "-I",
-        include,
-        str(TSAN_TEST),
+        *cxx,
+        f"-fsanitize={SANITIZE}",
+        "-fno-sanitize-recover=all",
+        "-DFABRIC_FUZZ_REPLAY",
+        str(FRAMES_TARGET),
         "-o",
-        tsan,
+        frames,
         "-pthread",
         external=True,
     )
-    session.run(tsan, external=True, env={"TSAN_OPTIONS": "halt_on_error=1:second_deadlock_stack=1"})
+    kept = [str(d) for d in (FRAMES_CORPUS, FRAMES_CRASHES) if d.is_dir()]
+    session.run(frames, *kept, external=True)
 
     _install(session, "test")
     session.install(*CONSTRAINTS, "pybind11", "scikit-build-core")
@@ -394,3 +402,43 @@ def fuzz(session: nox.Session) -> None:
     )
     session.run(*runner, env={"FI_TCP_IFACE": "lo"})
     session.run(*runner, "--native", env={"FI_TCP_IFACE": "lo"})
+    _fuzz_frames(session, seconds)
+
+
+def _fuzz_frames(session: nox.Session, seconds: str) -> None:
+    """The engine core's control-frame parsing (packages/fabric-core/tests/native/fuzz_frames.cpp)
+    under libFuzzer with ASan and UBSan, for ``seconds``, from tests/fuzz/corpus-frames/ (new
+    inputs go to a scratch copy; FABRIC_FUZZ_UPDATE=1 merges them into the corpus, minimised).
+    A finding is written to fuzz-artifacts/frames-*; keep it in tests/fuzz/frame-crashes/
+    (``nox -s sanitize`` and the default test run replay those)."""
+    _system_packages(session, "clang-14", "libclang-rt-14-dev")
+    tmp = Path(session.create_tmp())
+    binary, scratch = str(tmp / "fuzz_frames"), tmp / "frames-corpus"
+    shutil.rmtree(scratch, ignore_errors=True)
+    shutil.copytree(FRAMES_CORPUS, scratch)
+    Path("fuzz-artifacts").mkdir(exist_ok=True)
+    session.run(
+        "clang++-14",
+        "-std=c++17",
+        "-g",
+        "-O1",
+        "-fsanitize=fuzzer,address,undefined",
+        "-fno-sanitize-recover=all",
+        "-I",
+        str(ENGINE_INCLUDE),
+        str(FRAMES_TARGET),
+        "-o",
+        binary,
+        "-pthread",
+        external=True,
+    )
+    session.run(
+        binary,
+        str(scratch),
+        f"-max_total_time={seconds}",
+        "-artifact_prefix=fuzz-artifacts/frames-",
+        "-print_final_stats=1",
+        external=True,
+    )
+    if os.environ.get("FABRIC_FUZZ_UPDATE") == "1":
+        session.run(binary, "-merge=1", str(FRAMES_CORPUS), str(scratch), external=True)

@@ -9,7 +9,7 @@
 // 2. CounterTable: adder threads count imms while blocking waiters, token waiters, a waiter
 //    that times out and withdraws, a waiter failed by fail_peer, and a progress hook that is
 //    swapped meanwhile all run; the counts consumed and left over are exact.
-// 3. Engine<FakeDomain>: two engines with two in-memory NICs each. Several threads submit
+// 3. Engine<FakeNic> (fake_nic.hpp): two engines with two in-memory NICs each. Several threads submit
 //    WriteImm requests and control messages on one engine while its worker posts and polls,
 //    a completion thread takes the batches, and waiter threads on the other engine block on the
 //    imm counters (driving that engine's progress themselves through help()). Every request
@@ -21,6 +21,8 @@
 #include <fabric/counters.hpp>
 #include <fabric/engine.hpp>
 #include <fabric/mpsc_queue.hpp>
+
+#include "fake_nic.hpp"
 
 #include <atomic>
 #include <chrono>
@@ -212,217 +214,9 @@ void test_counters() {
 
 // ---------------------------------------------------------------------------------------- 3
 
-// An in-memory "NIC" honouring engine.hpp's Domain concept. Writes land synchronously in the
-// target's registered memory; completions and arrivals are queued per NIC and reported by
-// poll(). Every NIC of the process is in one registry; a NIC that is gone makes posts to it
-// fail like an unreachable peer.
-class FakeNic;
-
-struct FakeFabric {
-    std::mutex mu;
-    std::map<std::string, FakeNic*> nics;
-};
-
-class FakeNic {
-  public:
-    FakeNic(FakeFabric& fabric, std::string address) : fabric_(fabric), address_(std::move(address)) {
-        std::lock_guard<std::mutex> lock(fabric_.mu);
-        fabric_.nics[address_] = this;
-    }
-    ~FakeNic() {
-        std::lock_guard<std::mutex> lock(fabric_.mu);
-        fabric_.nics.erase(address_);
-    }
-
-    // Registers [base, base + len) for remote writes; returns its key.
-    uint64_t register_remote(void* base, size_t len) {
-        std::lock_guard<std::mutex> lock(mu_);
-        regions_.push_back({reinterpret_cast<uint64_t>(base), len});
-        return regions_.size();  // key k: regions_[k - 1]
-    }
-
-    std::string address() const { return address_; }
-    uint64_t insert_peer(const std::string& address) {
-        {
-            std::lock_guard<std::mutex> lock(fabric_.mu);
-            if (!fabric_.nics.count(address)) throw std::runtime_error("no such address");
-        }
-        std::lock_guard<std::mutex> lock(mu_);
-        peers_.push_back(address);
-        return peers_.size() - 1;
-    }
-    void remove_peer(uint64_t peer) {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (peer < peers_.size()) peers_[peer].clear();
-    }
-    bool virt_addr() const { return true; }
-    bool sources() const { return true; }
-    bool stale_peers() const { return false; }
-    void* local_desc(void*, size_t) { return this; }
-
-    int post_write(const fabric::WriteOp& w, void* ctx) {
-        std::string to = peer_address(w.peer);
-        if (to.empty()) return -EHOSTUNREACH;
-        bool landed = false, access = false;
-        {
-            std::lock_guard<std::mutex> reg(fabric_.mu);
-            auto it = fabric_.nics.find(to);
-            if (it != fabric_.nics.end()) {
-                landed = true;
-                access = !it->second->deliver_write(w, address_);
-            }
-        }
-        if (!landed) {
-            push({Event::kError, ctx, 0, 0, 0, fabric::kPeerUnreachable, "peer gone"});
-        } else if (access) {
-            push({Event::kError, ctx, 0, 0, 0, fabric::kRemoteAccess, "out of the registered region"});
-        } else {
-            writes_.fetch_add(1, std::memory_order_relaxed);
-            push({Event::kWriteDone, ctx, 0, 0, 0, 0, {}});
-        }
-        return 0;
-    }
-
-    int post_send(const void* buf, size_t len, void*, uint64_t peer, void* ctx) {
-        std::string to = peer_address(peer);
-        if (to.empty()) return -EHOSTUNREACH;
-        bool landed = false;
-        {
-            std::lock_guard<std::mutex> reg(fabric_.mu);
-            auto it = fabric_.nics.find(to);
-            if (it != fabric_.nics.end()) {
-                landed = true;
-                it->second->deliver_send(std::string(static_cast<const char*>(buf), len));
-            }
-        }
-        if (landed) {
-            push({Event::kSendDone, ctx, 0, 0, 0, 0, {}});
-        } else {
-            push({Event::kError, ctx, 0, 0, 0, fabric::kPeerUnreachable, "peer gone"});
-        }
-        return 0;
-    }
-
-    int post_recv(void* buf, size_t len, void*, void* ctx) {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (!unexpected_.empty()) {
-            std::string m = std::move(unexpected_.front());
-            unexpected_.pop_front();
-            size_t n = std::min(len, m.size());
-            std::memcpy(buf, m.data(), n);
-            events_.push_back({Event::kRecv, ctx, n, 0, 0, 0, {}});
-            return 0;
-        }
-        recvs_.push_back({static_cast<char*>(buf), len, ctx});
-        return 0;
-    }
-
-    template <class Sink>
-    size_t poll(Sink& sink) {
-        std::deque<Event> batch;
-        {
-            std::lock_guard<std::mutex> lock(mu_);
-            for (int i = 0; i < 16 && !events_.empty(); i++) {
-                batch.push_back(std::move(events_.front()));
-                events_.pop_front();
-            }
-        }
-        for (auto& e : batch) {
-            switch (e.kind) {
-                case Event::kWriteDone: sink.on_write_done(e.ctx); break;
-                case Event::kSendDone: sink.on_send_done(e.ctx); break;
-                case Event::kRecv: sink.on_recv(e.ctx, e.len); break;
-                case Event::kImm: sink.on_imm(e.imm, e.src); break;
-                case Event::kError: sink.on_error(e.ctx, e.status, e.message); break;
-            }
-        }
-        return batch.size();
-    }
-
-    uint64_t writes() const { return writes_.load(std::memory_order_relaxed); }
-
-  private:
-    struct Event {
-        enum Kind { kWriteDone, kSendDone, kRecv, kImm, kError } kind;
-        void* ctx;
-        size_t len;
-        uint32_t imm;
-        uint64_t src;
-        int32_t status;
-        std::string message;
-    };
-    struct Recv {
-        char* buf;
-        size_t len;
-        void* ctx;
-    };
-
-    std::string peer_address(uint64_t peer) {
-        std::lock_guard<std::mutex> lock(mu_);
-        return peer < peers_.size() ? peers_[peer] : std::string();
-    }
-
-    void push(Event e) {
-        std::lock_guard<std::mutex> lock(mu_);
-        events_.push_back(std::move(e));
-    }
-
-    // The target side of a write (the fabric registry is locked: this NIC stays alive).
-    bool deliver_write(const fabric::WriteOp& w, const std::string& from) {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (w.len > 0) {
-            if (w.rkey == 0 || w.rkey > regions_.size()) return false;
-            const Region& r = regions_[w.rkey - 1];
-            if (w.raddr < r.base || w.raddr + w.len > r.base + r.len) return false;
-            std::memcpy(reinterpret_cast<void*>(w.raddr), w.src, w.len);
-        }
-        if (w.has_imm) {
-            uint64_t src = fabric::kNoSource;
-            for (size_t i = 0; i < peers_.size(); i++)
-                if (peers_[i] == from) src = i;
-            events_.push_back({Event::kImm, nullptr, 0, w.imm, src, 0, {}});
-        }
-        return true;
-    }
-
-    void deliver_send(std::string m) {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (recvs_.empty()) {
-            unexpected_.push_back(std::move(m));
-            return;
-        }
-        Recv r = recvs_.front();
-        recvs_.pop_front();
-        size_t n = std::min(r.len, m.size());
-        std::memcpy(r.buf, m.data(), n);
-        events_.push_back({Event::kRecv, r.ctx, n, 0, 0, 0, {}});
-    }
-
-    struct Region {
-        uint64_t base;
-        size_t len;
-    };
-
-    FakeFabric& fabric_;
-    const std::string address_;
-    std::mutex mu_;
-    std::vector<std::string> peers_;
-    std::vector<Region> regions_;
-    std::deque<Event> events_;
-    std::deque<Recv> recvs_;
-    std::deque<std::string> unexpected_;
-    std::atomic<uint64_t> writes_{0};
-};
-
-using FakeEngine = fabric::Engine<FakeNic>;
-
-std::unique_ptr<FakeEngine> open_engine(FakeFabric& fabric, const std::string& name, int nics,
-                                        std::shared_ptr<CounterTable> counters, bool chaos) {
-    std::vector<std::unique_ptr<FakeNic>> domains;
-    for (int n = 0; n < nics; n++) domains.push_back(std::make_unique<FakeNic>(fabric, name + "/nic" + std::to_string(n)));
-    return std::make_unique<FakeEngine>(std::move(domains), std::move(counters), /*chaos_seed=*/7, chaos,
-                                        /*cpu=*/-1, /*recv_depth=*/16, /*max_send=*/256);
-}
+using fabric_test::FakeEngine;
+using fabric_test::FakeFabric;
+using fabric_test::open_engine;
 
 void test_engine() {
     constexpr int kNics = 2;

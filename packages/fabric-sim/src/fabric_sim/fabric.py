@@ -857,9 +857,7 @@ class SimFabric:
             tx.add(imm, n)  # counted at the target: the path's sums agree again
         # Of each value's landed ones, the ended transfers' are taken to be first: a live
         # WriteImm is made up unless it surely landed (as the compiled engine does).
-        short = {
-            imm: n - min(n, max(0, landed[imm] - ghosts.get(imm, 0))) for imm, n in live_counts.items()
-        }
+        short = {imm: n - min(n, max(0, landed[imm] - ghosts.get(imm, 0))) for imm, n in live_counts.items()}
         every = {imm for imm, n in short.items() if n == 0}
         for w, imm in with_imm:
             if imm in every:

@@ -1121,7 +1121,9 @@ class Engine {
                 // pinger asks again.
                 if (flush_outbox(&from)) send_frame(kFramePong, from, nullptr, nullptr, nonce);
             } else if (buf[0] == kFramePong && it != peer_state_.end()) {
-                it->second.answered = std::max(it->second.answered, nonce);
+                // (an answer to a fence not asked yet is a forgery, or garbage: taken for no
+                // more than the fences already asked, or it would answer every later one)
+                it->second.answered = std::max(it->second.answered, std::min(nonce, fence_nonce_));
             } else if (len >= body + sizeof(nonce)) {
                 const char* extra = buf + body + sizeof(nonce);
                 size_t elen = len - body - sizeof(nonce);

@@ -1,0 +1,247 @@
+// An in-memory fabric for native tests of the engine core (tsan_engine.cpp, fuzz_frames.cpp):
+// FakeNic honours engine.hpp's Domain concept. Writes land synchronously in the target's
+// registered memory; completions and arrivals are queued per NIC and reported by poll(). Every
+// NIC of the process is in one registry (FakeFabric); a NIC that is gone makes posts to it fail
+// like an unreachable peer. FakeFabric::on_send, where set, sees every message sent (the fuzz
+// target records frames with it).
+#pragma once
+
+#include <fabric/engine.hpp>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace fabric_test {
+
+class FakeNic;
+
+struct FakeFabric {
+    std::mutex mu;
+    std::map<std::string, FakeNic*> nics;
+    std::function<void(const std::string& to, const std::string& message)> on_send;  // (under mu)
+};
+
+class FakeNic {
+  public:
+    FakeNic(FakeFabric& fabric, std::string address) : fabric_(fabric), address_(std::move(address)) {
+        std::lock_guard<std::mutex> lock(fabric_.mu);
+        fabric_.nics[address_] = this;
+    }
+    ~FakeNic() {
+        std::lock_guard<std::mutex> lock(fabric_.mu);
+        fabric_.nics.erase(address_);
+    }
+
+    // Registers [base, base + len) for remote writes; returns its key.
+    uint64_t register_remote(void* base, size_t len) {
+        std::lock_guard<std::mutex> lock(mu_);
+        regions_.push_back({reinterpret_cast<uint64_t>(base), len});
+        return regions_.size();  // key k: regions_[k - 1]
+    }
+
+    std::string address() const { return address_; }
+    uint64_t insert_peer(const std::string& address) {
+        {
+            std::lock_guard<std::mutex> lock(fabric_.mu);
+            if (!fabric_.nics.count(address)) throw std::runtime_error("no such address");
+        }
+        std::lock_guard<std::mutex> lock(mu_);
+        peers_.push_back(address);
+        return peers_.size() - 1;
+    }
+    void remove_peer(uint64_t peer) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (peer < peers_.size()) peers_[peer].clear();
+    }
+    bool virt_addr() const { return true; }
+    bool sources() const { return true; }
+    bool stale_peers() const { return false; }
+    void* local_desc(void*, size_t) { return this; }
+
+    int post_write(const fabric::WriteOp& w, void* ctx) {
+        std::string to = peer_address(w.peer);
+        if (to.empty()) return -EHOSTUNREACH;
+        bool landed = false, access = false;
+        {
+            std::lock_guard<std::mutex> reg(fabric_.mu);
+            auto it = fabric_.nics.find(to);
+            if (it != fabric_.nics.end()) {
+                landed = true;
+                access = !it->second->deliver_write(w, address_);
+            }
+        }
+        if (!landed) {
+            push({Event::kError, ctx, 0, 0, 0, fabric::kPeerUnreachable, "peer gone"});
+        } else if (access) {
+            push({Event::kError, ctx, 0, 0, 0, fabric::kRemoteAccess, "out of the registered region"});
+        } else {
+            writes_.fetch_add(1, std::memory_order_relaxed);
+            push({Event::kWriteDone, ctx, 0, 0, 0, 0, {}});
+        }
+        return 0;
+    }
+
+    int post_send(const void* buf, size_t len, void*, uint64_t peer, void* ctx) {
+        std::string to = peer_address(peer);
+        if (to.empty()) return -EHOSTUNREACH;
+        bool landed = false;
+        {
+            std::lock_guard<std::mutex> reg(fabric_.mu);
+            auto it = fabric_.nics.find(to);
+            if (it != fabric_.nics.end()) {
+                landed = true;
+                std::string m(static_cast<const char*>(buf), len);
+                if (fabric_.on_send) fabric_.on_send(to, m);
+                it->second->deliver_send(std::move(m));
+            }
+        }
+        if (landed) {
+            push({Event::kSendDone, ctx, 0, 0, 0, 0, {}});
+        } else {
+            push({Event::kError, ctx, 0, 0, 0, fabric::kPeerUnreachable, "peer gone"});
+        }
+        return 0;
+    }
+
+    int post_recv(void* buf, size_t len, void*, void* ctx) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!unexpected_.empty()) {
+            std::string m = std::move(unexpected_.front());
+            unexpected_.pop_front();
+            size_t n = std::min(len, m.size());
+            std::memcpy(buf, m.data(), n);
+            events_.push_back({Event::kRecv, ctx, n, 0, 0, 0, {}});
+            return 0;
+        }
+        recvs_.push_back({static_cast<char*>(buf), len, ctx});
+        return 0;
+    }
+
+    template <class Sink>
+    size_t poll(Sink& sink) {
+        std::deque<Event> batch;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            for (int i = 0; i < 16 && !events_.empty(); i++) {
+                batch.push_back(std::move(events_.front()));
+                events_.pop_front();
+            }
+        }
+        for (auto& e : batch) {
+            switch (e.kind) {
+                case Event::kWriteDone: sink.on_write_done(e.ctx); break;
+                case Event::kSendDone: sink.on_send_done(e.ctx); break;
+                case Event::kRecv: sink.on_recv(e.ctx, e.len); break;
+                case Event::kImm: sink.on_imm(e.imm, e.src); break;
+                case Event::kError: sink.on_error(e.ctx, e.status, e.message); break;
+            }
+        }
+        return batch.size();
+    }
+
+    uint64_t writes() const { return writes_.load(std::memory_order_relaxed); }
+
+    // Forgets what arrived and what completed (a NIC no engine drives: the fuzz target's).
+    void drain() {
+        std::lock_guard<std::mutex> lock(mu_);
+        unexpected_.clear();
+        events_.clear();
+    }
+
+  private:
+    struct Event {
+        enum Kind { kWriteDone, kSendDone, kRecv, kImm, kError } kind;
+        void* ctx;
+        size_t len;
+        uint32_t imm;
+        uint64_t src;
+        int32_t status;
+        std::string message;
+    };
+    struct Recv {
+        char* buf;
+        size_t len;
+        void* ctx;
+    };
+
+    std::string peer_address(uint64_t peer) {
+        std::lock_guard<std::mutex> lock(mu_);
+        return peer < peers_.size() ? peers_[peer] : std::string();
+    }
+
+    void push(Event e) {
+        std::lock_guard<std::mutex> lock(mu_);
+        events_.push_back(std::move(e));
+    }
+
+    // The target side of a write (the fabric registry is locked: this NIC stays alive).
+    bool deliver_write(const fabric::WriteOp& w, const std::string& from) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (w.len > 0) {
+            if (w.rkey == 0 || w.rkey > regions_.size()) return false;
+            const Region& r = regions_[w.rkey - 1];
+            if (w.raddr < r.base || w.raddr + w.len > r.base + r.len) return false;
+            std::memcpy(reinterpret_cast<void*>(w.raddr), w.src, w.len);
+        }
+        if (w.has_imm) {
+            uint64_t src = fabric::kNoSource;
+            for (size_t i = 0; i < peers_.size(); i++)
+                if (peers_[i] == from) src = i;
+            events_.push_back({Event::kImm, nullptr, 0, w.imm, src, 0, {}});
+        }
+        return true;
+    }
+
+    void deliver_send(std::string m) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (recvs_.empty()) {
+            unexpected_.push_back(std::move(m));
+            return;
+        }
+        Recv r = recvs_.front();
+        recvs_.pop_front();
+        size_t n = std::min(r.len, m.size());
+        std::memcpy(r.buf, m.data(), n);
+        events_.push_back({Event::kRecv, r.ctx, n, 0, 0, 0, {}});
+    }
+
+    struct Region {
+        uint64_t base;
+        size_t len;
+    };
+
+    FakeFabric& fabric_;
+    const std::string address_;
+    std::mutex mu_;
+    std::vector<std::string> peers_;
+    std::vector<Region> regions_;
+    std::deque<Event> events_;
+    std::deque<Recv> recvs_;
+    std::deque<std::string> unexpected_;
+    std::atomic<uint64_t> writes_{0};
+};
+
+
+using FakeEngine = fabric::Engine<FakeNic>;
+
+// An engine of ``nics`` FakeNics named "<name>/nic<k>".
+inline std::unique_ptr<FakeEngine> open_engine(FakeFabric& fabric, const std::string& name, int nics,
+                                               std::shared_ptr<fabric::CounterTable> counters, bool chaos) {
+    std::vector<std::unique_ptr<FakeNic>> domains;
+    for (int n = 0; n < nics; n++)
+        domains.push_back(std::make_unique<FakeNic>(fabric, name + "/nic" + std::to_string(n)));
+    return std::make_unique<FakeEngine>(std::move(domains), std::move(counters), /*chaos_seed=*/7, chaos,
+                                        /*cpu=*/-1, /*recv_depth=*/16, /*max_send=*/256);
+}
+
+}  // namespace fabric_test
