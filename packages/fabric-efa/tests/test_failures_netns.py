@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from fabric_core.errors import FabricError, PeerUnreachable, TransferTimeout, TransportError
+from fabric_core.ops import Pinned
 from fabric_core.testing.netns import NetnsLab
 from fabric_core.testing.remote import RemoteEngine, WorkerPool
 from fabric_core.transfer import Transfer
@@ -339,3 +340,44 @@ def test_a_lost_nic_costs_no_counts_and_is_taken_back_once_restored(fault: str) 
         assert clean == 4, (
             f"the restored NIC was not taken back: (up, retries) per write {seen}; pokes (a, b) {pokes}"
         )
+
+
+def test_cancel_waits_for_bytes_under_way_on_a_slower_nic() -> None:
+    """The writer's NIC 1 is shaped to 40 Mbit/s while NIC 0 is not: a write pinned to NIC 1
+    still has megabytes under way there when it is cancelled, on a stream of its own that the
+    fence behind ``cancel`` (a probe on NIC 0) does not order. ``cancel`` returns only once they
+    are reported, so no byte of the write lands after it returned; and a fence from the target
+    side waits for them the same way."""
+    with hosts(2, rails=2) as h:
+        a, b = h.engine(0, nics=2, max_msg_size=MiB), h.engine(1, nics=2)
+        size = 4 * MiB
+        src, dst = h.data(size, 12), h.pool.alloc(size)
+        dst[:] = 0
+        mr, reg = a.register(src), b.register(dst)
+        desc = reg.descriptor
+        a.submit_imm(desc, 99).wait(10)
+        b.counter(99).wait(1, timeout=10)
+        a.fence([desc], timeout=10)  # the NIC-loss session is up: WriteImms use NIC 1 too
+        h.lab.rate_limit(0, 40, rail=1)  # 4 MiB: about 0.8 s on NIC 1
+        t = a.submit_write(mr, 0, size, desc, 0, imm=7, routing=Pinned(1))
+        deadline = time.monotonic() + 10
+        while a.stats().nics[1].inflight < 2 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        time.sleep(0.05)  # some of it landed: the rest is on the wire or queued at the shaper
+        started = time.monotonic()
+        assert t.cancel(timeout=20) is True
+        took = time.monotonic() - started
+        landed = dst.copy()
+        time.sleep(1.5)  # past what the shaper still held
+        late = int((dst != landed).sum())
+        assert late == 0, f"{late} bytes landed after cancel() returned (it took {took:.3f} s)"
+        assert b.counter(7).value <= t.imms_at_target
+        # the target side: a fence of the writer waits for the writer's writes on NIC 1
+        dst[:] = 0
+        t2 = a.submit_write(mr, 0, size, desc, 0, routing=Pinned(1))
+        while a.stats().nics[1].inflight < 4 and time.monotonic() < deadline + 10:
+            time.sleep(0.002)  # all four of its work requests posted
+        b.fence([a.address], timeout=20)
+        assert np.array_equal(dst, src), "the target's fence returned before the writer's bytes landed"
+        t2.wait(20)
+        h.lab.rate_limit(0, None, rail=1)

@@ -146,7 +146,8 @@ class TransferEngine(ABC):
         self, peers: Sequence[DomainAddress | MemoryRegionDescriptor], *, timeout: float | None = None
     ) -> None:
         """Wait until every write each of ``peers`` posted to this engine before the call has
-        been processed here: landed, or refused by the keys.
+        been processed here: landed, or refused by the keys, on every NIC (and every write
+        this engine had under way to them has been reported).
 
         After ``rekey`` (or ``deregister``) and ``fence``, nothing a peer wrote with the old
         keys lands any more: the memory may be reused (the KV-cache decoder does this before

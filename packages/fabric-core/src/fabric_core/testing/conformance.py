@@ -1146,10 +1146,20 @@ class FailureConformance(_Base):
         assert np.array_equal(p.dst[:4096], p.src[:4096]) and (p.dst[4096:] == 0x5A).all()
 
     @_FEW_SEEDS
-    def test_cancel_stops_a_transfer_and_nothing_of_it_lands_afterwards(self, h: Harness) -> None:
-        p = _pair(h, size=STUCK, max_msg_size=1 << 16)
+    @pytest.mark.parametrize("nics", [1, 2])
+    def test_cancel_stops_a_transfer_and_nothing_of_it_lands_afterwards(self, h: Harness, nics: int) -> None:
+        """With two NICs the write goes on NIC 1 only: its bytes travel on another stream than
+        NIC 0's control channel, so the fence behind ``cancel`` must wait for them too."""
+        _nics_ok(h, nics)
+        p = _pair(h, nics, size=STUCK, max_msg_size=1 << 16 if nics == 1 else 1 << 20)
+        if nics > 1:  # the session's hello, so that WriteImms may use NIC 1
+            p.a.submit_imm(p.desc, 99).wait(T)
+            p.b.counter(99).wait(1, timeout=T)
+            p.a.fence([p.desc], timeout=T)
         with h.hold():  # (where the harness can: everything still to deliver when cancelled)
-            t = p.a.submit_write(p.src_mr, 0, STUCK, p.desc, 0, imm=15, timeout=T)
+            t = p.a.submit_write(p.src_mr, 0, STUCK, p.desc, 0, imm=15, timeout=T, routing=Pinned(nics - 1))
+            if nics > 1:  # megabytes under way on NIC 1 when cancelled
+                _eventually(lambda: t.done() or p.a.stats().nics[nics - 1].inflight >= 4, T)
             cancelled = t.cancel(timeout=T)
             landed, counted = p.dst.copy(), p.b.counter(15).value
         if type(h).hold is not Harness.hold:  # delivery was held: it cannot have finished

@@ -220,6 +220,7 @@ struct OpCtx {
     uint8_t mode = kAsPlanned;
     bool carrier = false;             // a bytes-only retry that then carries a make-up imm
     struct RetryBatch* retry = nullptr;  // the reconciliation it is a bytes-only retry of
+    uint32_t posts = 0;               // times posted (fence(): which posting it waits for)
 };
 
 // The bytes-only retries of one reconciliation: the make-up imms go once all have landed.
@@ -552,15 +553,20 @@ class Engine {
         return true;
     }
 
-    // Waits until each peer (NIC 0 address) has answered a probe sent now: its answer travels
-    // behind every byte that peer posted to this engine before it, so once it is here, each
-    // write the peer had under way has been processed (landed, or refused by the keys). With
-    // a key revoked first, nothing of the peer's older writes can land after this returns.
-    // Returns the peers that did not answer within ``timeout_s``. Any thread but the worker.
+    // Waits until each peer (NIC 0 address) has answered a probe sent now, and every write
+    // this engine had posted to it, on any NIC, has been reported. The answer travels behind
+    // every byte that peer posted to this engine before it on NIC 0's stream; a write on
+    // another NIC has its own stream, but a write is reported only once it has landed
+    // (delivery complete) or failed. So once both are in, each write this engine had under
+    // way to the peer has been processed there (landed, or refused by the keys), and with a
+    // key revoked first, nothing of those writes can land after this returns (a write
+    // retried after a lost NIC is posted anew: the revoked key refuses it). Returns the peers
+    // that did not confirm within ``timeout_s``. Any thread but the worker.
     std::vector<std::string> fence(const std::vector<std::string>& addresses, double timeout_s) {
         auto deadline = Clock::now() + to_duration(std::min(std::max(timeout_s, 0.0), 1e6));
         uint64_t nonce;
         std::vector<std::string> left(addresses);
+        std::vector<Posting> posted;  // the writes under way now, to any of ``addresses``
         {
             std::lock_guard<std::mutex> lock(progress_mu_);
             nonce = ++fence_nonce_;
@@ -569,16 +575,22 @@ class Engine {
                 state_for(a);  // its answer is recorded there
                 fences_.push_back(Fence{a, nonce});
             }
+            posted = postings_to(addresses, 0);
         }
         while (true) {
             {
                 std::lock_guard<std::mutex> lock(progress_mu_);
                 now_ = Clock::now();
                 step();
+                posted.erase(std::remove_if(posted.begin(), posted.end(),
+                                            [&](const Posting& w) { return reported(w); }),
+                             posted.end());
                 std::vector<std::string> still;
                 for (const auto& a : left) {
                     auto it = peer_state_.find(a);
-                    if (it == peer_state_.end() || it->second.answered < nonce) still.push_back(a);
+                    bool writing = std::any_of(posted.begin(), posted.end(),
+                                               [&](const Posting& w) { return w.peer == a; });
+                    if (it == peer_state_.end() || it->second.answered < nonce || writing) still.push_back(a);
                 }
                 left.swap(still);
             }
@@ -845,6 +857,7 @@ class Engine {
                     fail_op(*op, unreachable ? kPeerUnreachable : kTransport, why);
                 } else {
                     op->state = OpCtx::kPosted;
+                    op->posts++;
                     posted_++;
                 }
             }
@@ -1118,8 +1131,18 @@ class Engine {
                 // The answer leaves after everything this engine posted to the pinger before it,
                 // on the same stream where the transport has one (tcp): fence() relies on it.
                 // So frames still queued for it go first, and while any is, no answer: the
-                // pinger asks again.
-                if (flush_outbox(&from)) send_frame(kFramePong, from, nullptr, nullptr, nonce);
+                // pinger asks again. A fence's ping (nonce > 0; a liveness probe's is 0) is
+                // answered only once this engine's writes to the pinger on other NICs, which
+                // travel on streams of their own, have been reported too (answer_fences).
+                std::vector<Posting> writing = nonce == 0 ? std::vector<Posting>{} : postings_to({from}, 1);
+                if (!writing.empty()) {
+                    bool known = std::any_of(pongs_.begin(), pongs_.end(), [&](const PendingPong& q) {
+                        return q.to == from && q.nonce == nonce;
+                    });
+                    if (!known) pongs_.push_back(PendingPong{from, nonce, std::move(writing)});
+                } else if (flush_outbox(&from)) {
+                    send_frame(kFramePong, from, nullptr, nullptr, nonce);
+                }
             } else if (buf[0] == kFramePong && it != peer_state_.end()) {
                 // (an answer to a fence not asked yet is a forgery, or garbage: taken for no
                 // more than the fences already asked, or it would answer every later one)
@@ -1783,6 +1806,7 @@ class Engine {
         last_tick_ = now_;
         if (!outbox_.empty()) flush_outbox();
         if (nics_.size() > 1) nic_loss_tick();
+        if (!pongs_.empty()) answer_fences();
         // fence() probes: sent, and sent again every kFenceRetry until answered (a connection
         // the transport tore down loses what was queued on it: the probe is then retried on a
         // fresh one, its state reset by the failure).
@@ -1968,6 +1992,59 @@ class Engine {
         uint64_t nonce;
         Clock::time_point sent{};
     };
+    // One posting of a write a fence waits for: op ``index`` of request ``id``, posted for the
+    // ``posts``-th time, to ``peer`` (NIC 0 address).
+    struct Posting {
+        uint64_t id;
+        uint32_t index;
+        uint32_t posts;
+        std::string peer;
+    };
+    // The writes posted now (and not yet reported) to any of ``peers`` (NIC 0 addresses), on
+    // NICs ``from_nic`` and up. Under progress_mu_.
+    std::vector<Posting> postings_to(const std::vector<std::string>& peers, uint32_t from_nic) const {
+        std::vector<Posting> out;
+        for (const auto& [id, r] : live_)
+            for (uint32_t i = 0; i < r->ops.size(); i++) {
+                const OpCtx& op = r->ops[i];
+                if (op.kind != 0 || op.state != OpCtx::kPosted || op.nic < from_nic || op.target >= r->targets.size())
+                    continue;
+                const auto& to = r->targets[op.target]->addresses;
+                if (!to.empty() && std::find(peers.begin(), peers.end(), to[0]) != peers.end())
+                    out.push_back(Posting{id, i, op.posts, to[0]});
+            }
+        return out;
+    }
+    // A fence's ping waiting for this engine's writes to the pinger on NICs > 0.
+    struct PendingPong {
+        std::string to;
+        uint64_t nonce;
+        std::vector<Posting> writing;
+    };
+    std::vector<PendingPong> pongs_;
+    // Answers the fence pings whose writes have all been reported (each tick).
+    void answer_fences() {
+        std::vector<PendingPong> left;
+        for (auto& q : pongs_) {
+            q.writing.erase(std::remove_if(q.writing.begin(), q.writing.end(),
+                                           [&](const Posting& w) { return reported(w); }),
+                            q.writing.end());
+            if (!q.writing.empty() || !flush_outbox(&q.to)) {
+                left.push_back(std::move(q));
+                continue;
+            }
+            send_frame(kFramePong, q.to, nullptr, nullptr, q.nonce);  // (lost: the pinger asks again)
+        }
+        pongs_.swap(left);
+    }
+    // Whether that posting has been reported (its request ended, or the op completed, failed,
+    // or was posted again since). Under progress_mu_.
+    bool reported(const Posting& w) const {
+        auto it = live_.find(w.id);
+        if (it == live_.end() || w.index >= it->second->ops.size()) return true;
+        const OpCtx& op = it->second->ops[w.index];
+        return op.state != OpCtx::kPosted || op.posts != w.posts;
+    }
     std::vector<Fence> fences_;  // fence() probes awaiting an answer
     static constexpr auto kFenceRetry = std::chrono::milliseconds(100);
     uint64_t fence_nonce_ = 1;
