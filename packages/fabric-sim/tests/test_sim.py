@@ -187,3 +187,31 @@ def test_a_cancelled_writeimm_counted_before_its_nic_failed_is_accounted_for() -
         assert a.stats().retries >= 1
         a.close()
         b.close()
+
+
+def test_cancel_counts_the_imms_that_landed_before_it_returns() -> None:
+    """A work request whose bytes and imm landed before the cancel, but whose count the target
+    had not taken yet (the simulated poll comes a little later), is counted by the time
+    ``cancel`` returns: nothing of the transfer is counted afterwards."""
+    from fabric_sim.fabric import _IMM
+
+    fabric = SimFabric(3, chunk_bytes=4096)
+    a = fabric.open_engine(1, max_msg_size=4096)
+    b = fabric.open_engine(1)
+    src = np.random.default_rng(0).integers(1, 256, 16 * 4096, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    smr, dmr = a.register(src), b.register(dst)
+    with fabric.paused():
+        t = a.submit_write(smr, 0, src.size, dmr.descriptor, 0, imm=5)
+        assert t.imms_at_target == 16
+        for _ in range(500):  # up to the first imm landed and not counted yet
+            if any(e[2] == _IMM for e in fabric._heap):
+                break
+            fabric.step()
+        assert any(e[2] == _IMM for e in fabric._heap) and b.counter(5).value == 0
+        assert t.cancel(timeout=1.0) is True
+        counted = b.counter(5).value
+    fabric.quiesce()
+    assert 1 <= counted < 16 and b.counter(5).value == counted
+    a.close()
+    b.close()

@@ -131,7 +131,8 @@ class SimEngine(EngineBase):
             if xfer is None or xfer.early:
                 return False, []
             self._inflight.discard(xfer)
-            xfer.left = -1  # its pending chunks and imms become no-ops: nothing of it lands now
+            xfer.left = -1  # its pending chunks become no-ops: nothing more of it lands now
+            self._fabric._count_landed_imms(xfer)  # and what landed is counted now
         return True, []  # so no fence is needed
 
     def _dump_core(self) -> dict[str, Any]:

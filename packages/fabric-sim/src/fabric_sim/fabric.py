@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from fabric_core.errors import (
     ConfigError,
@@ -617,11 +617,7 @@ class SimFabric:
         elif kind == _WR_DONE:
             self._wr_done(payload)
         elif kind == _IMM:
-            dst, imm, _src, nic = payload
-            engine = self._engines.get(dst)
-            if engine is not None:
-                engine._traffic.imm(nic)
-                engine._counters.add(imm)
+            self._count_imm(payload)
         elif kind == _ACK:
             wr, err = payload
             self._ack(wr, err)
@@ -631,6 +627,31 @@ class SimFabric:
         elif kind == _MSG:
             xfer, peer, data = payload
             self._deliver_message(xfer, peer, data)
+
+    def _count_imm(self, payload: tuple[int, int, int, int, _Xfer]) -> None:
+        dst, imm, _src, nic, _xfer = payload
+        engine = self._engines.get(dst)
+        if engine is not None:
+            engine._traffic.imm(nic)
+            engine._counters.add(imm)
+
+    def _count_landed_imms(self, xfer: _Xfer) -> None:
+        """``xfer`` is being cancelled: the imms of its work requests that already landed, and
+        whose count is still on its way (polled a little later, as on a real target), are
+        counted now, so that nothing of it is counted after ``cancel`` returns. Under the lock."""
+
+        def of_xfer(kind: int, payload: object) -> bool:
+            return kind == _IMM and cast(tuple[Any, ...], payload)[4] is xfer
+
+        mine = [e for e in self._heap if of_xfer(e[2], e[3])]
+        if mine:
+            self._heap = [e for e in self._heap if not of_xfer(e[2], e[3])]
+            heapq.heapify(self._heap)
+        held = [(k, p) for k, p in self._held if of_xfer(k, p)]
+        if held:
+            self._held = [(k, p) for k, p in self._held if not of_xfer(k, p)]
+        for payload in [e[3] for e in mine] + [p for _k, p in held]:
+            self._count_imm(cast(tuple[int, int, int, int, _Xfer], payload))
 
     def _land(self, wr: _WR, off: int, n: int) -> None:
         wr.left -= 1
@@ -705,7 +726,7 @@ class SimFabric:
                     if sums is None:
                         sums = target._rx_sums[(wr.src, wr.nic)] = PowerSums()
                     sums.add(wr.imm)
-                self._push(self.now + self._jitter() * 0.25, _IMM, (wr.dst, wr.imm, wr.src, wr.nic))
+                self._push(self.now + self._jitter() * 0.25, _IMM, (wr.dst, wr.imm, wr.src, wr.nic, xfer))
         ack = self._jitter() if self.link is None else self.link.latency_s + self._jitter()
         self._push(self.now + ack, _ACK, (wr, wr.error if wr.error is not None else wr.ack_lost))
 

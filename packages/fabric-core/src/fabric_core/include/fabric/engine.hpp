@@ -729,6 +729,7 @@ class Engine {
         bool busy = intake();
         busy |= post_pending();
         busy |= poll_all();
+        if (!pongs_.empty()) answer_fences();
         if (now_ - last_tick_ >= kTick || !fences_.empty()) tick();
         publish();
         return busy;
@@ -1132,14 +1133,14 @@ class Engine {
                 // on the same stream where the transport has one (tcp): fence() relies on it.
                 // So frames still queued for it go first, and while any is, no answer: the
                 // pinger asks again. A fence's ping (nonce > 0; a liveness probe's is 0) is
-                // answered only once this engine's writes to the pinger on other NICs, which
-                // travel on streams of their own, have been reported too (answer_fences).
-                std::vector<Posting> writing = nonce == 0 ? std::vector<Posting>{} : postings_to({from}, 1);
-                if (!writing.empty()) {
+                // answered by answer_fences(): once this engine's writes to the pinger on other
+                // NICs, which travel on streams of their own, have been reported too, and once
+                // every imm already in this engine's CQs is counted.
+                if (nonce != 0) {
                     bool known = std::any_of(pongs_.begin(), pongs_.end(), [&](const PendingPong& q) {
                         return q.to == from && q.nonce == nonce;
                     });
-                    if (!known) pongs_.push_back(PendingPong{from, nonce, std::move(writing)});
+                    if (!known) pongs_.push_back(PendingPong{from, nonce, postings_to({from}, 1)});
                 } else if (flush_outbox(&from)) {
                     send_frame(kFramePong, from, nullptr, nullptr, nonce);
                 }
@@ -1806,7 +1807,6 @@ class Engine {
         last_tick_ = now_;
         if (!outbox_.empty()) flush_outbox();
         if (nics_.size() > 1) nic_loss_tick();
-        if (!pongs_.empty()) answer_fences();
         // fence() probes: sent, and sent again every kFenceRetry until answered (a connection
         // the transport tore down loses what was queued on it: the probe is then retried on a
         // fresh one, its state reset by the failure).
@@ -2022,13 +2022,25 @@ class Engine {
         std::vector<Posting> writing;
     };
     std::vector<PendingPong> pongs_;
-    // Answers the fence pings whose writes have all been reported (each tick).
+    // Answers the fence pings whose writes have all been reported (each step while any
+    // waits). First every completion already in the CQs is taken and the counts published:
+    // an imm that landed on another NIC before the ping is counted, and seen counted, before
+    // the pinger hears the answer (cancel() relies on it: nothing of a cancelled transfer is
+    // counted after it returns).
     void answer_fences() {
-        std::vector<PendingPong> left;
+        bool ready = false;
         for (auto& q : pongs_) {
             q.writing.erase(std::remove_if(q.writing.begin(), q.writing.end(),
                                            [&](const Posting& w) { return reported(w); }),
                             q.writing.end());
+            ready |= q.writing.empty();
+        }
+        if (!ready) return;
+        for (int i = 0; i < 64 && poll_all(); i++) {
+        }
+        publish();
+        std::vector<PendingPong> left;
+        for (auto& q : pongs_) {
             if (!q.writing.empty() || !flush_outbox(&q.to)) {
                 left.push_back(std::move(q));
                 continue;
