@@ -23,7 +23,7 @@ import pytest
 from fabric_core.errors import PeerUnreachable, TransferCancelled
 from fabric_core.ops import Pinned
 from fabric_core.settings import load_settings
-from fabric_core.testing.remote import RemoteEngine, WorkerPool
+from fabric_core.testing.remote import RemoteEngine, WorkerPool, stop_process
 from fabric_efa import EfaBackend
 from fabric_efa.engine import EfaEngine
 
@@ -38,22 +38,6 @@ PIECE = 40_000
 def pool() -> Iterator[WorkerPool]:
     with WorkerPool(workers=2, arena_bytes=1 << 22) as p:
         yield p
-
-
-def _stop(pid: int) -> None:
-    """SIGSTOP ``pid`` and wait until it has stopped: the signal is delivered asynchronously,
-    and a process still running meanwhile may take a write the test means to leave pending."""
-    os.kill(pid, signal.SIGSTOP)
-
-    def state(stat: str) -> str:
-        with open(stat) as f:  # "pid (comm) state ...": comm may hold spaces, not ")"
-            return f.read().rsplit(")", 1)[1].split()[0]
-
-    def stopped() -> bool:  # every thread of it (its engine's worker included)
-        tasks = os.listdir(f"/proc/{pid}/task")
-        return all(state(f"/proc/{pid}/task/{t}/stat") == "T" for t in tasks)
-
-    assert _wait_for(stopped, 10.0), f"process {pid} did not stop"
 
 
 def _wait_for(pred: object, timeout: float) -> bool:
@@ -93,7 +77,7 @@ def test_a_cancelled_writeimm_lost_with_its_nic_is_accounted_for(pool: WorkerPoo
         dst[:] = 0
 
         stopped = True
-        _stop(worker.pid)
+        stop_process(worker.pid)
         doomed = writer.submit_write(src_mr, 0, PIECE, desc, 0, imm=40, routing=Pinned(1))
         assert _wait_for(lambda: writer.stats().nics[1].inflight >= 1, T), "the write was never posted"
         with contextlib.suppress(PeerUnreachable):  # the stopped target cannot confirm it

@@ -44,7 +44,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from .remote import RemoteEngine, WorkerPool, _Worker
+from .remote import RemoteEngine, WorkerPool, _Worker, stop_process
 
 __all__ = ["NetnsError", "NetnsLab", "PREFIX", "netns_unavailable", "remove_stale"]
 
@@ -447,8 +447,8 @@ class NetnsLab:
     def stop(self, host: int) -> None:
         """SIGSTOP host ``host``'s worker (its kernel sockets go on acking until they fill)."""
         proc = self._proc(host)
-        proc.send_signal(signal.SIGSTOP)
         self._stopped.add(host)
+        stop_process(proc.pid)
 
     def cont(self, host: int) -> None:
         """SIGCONT host ``host``'s worker."""

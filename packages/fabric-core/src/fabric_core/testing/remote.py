@@ -34,6 +34,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
@@ -63,6 +64,31 @@ class WorkerDied(PeerUnreachable):
 
 
 # --- wire format ------------------------------------------------------------------------
+def stop_process(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it has stopped (Linux: ``T`` in
+    ``/proc/<pid>/task/*/stat``). ``kill`` returns before the signal has taken effect, and a
+    process still running meanwhile may take what a test means to leave pending. Raises
+    ``TimeoutError`` if it has not stopped within ``timeout``; elsewhere than Linux it only
+    sends the signal."""
+    os.kill(pid, signal.SIGSTOP)
+    tasks = f"/proc/{pid}/task"
+    if not os.path.isdir(tasks):
+        return
+
+    def state(task: str) -> str:
+        try:
+            with open(f"{tasks}/{task}/stat") as f:  # "tid (comm) state ...": comm may hold ")"
+                return f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return "T"  # a thread that ended meanwhile
+
+    deadline = time.monotonic() + timeout
+    while not all(state(t) == "T" for t in os.listdir(tasks)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} did not stop within {timeout:g} s")
+        time.sleep(0.001)
+
+
 class _Pickler(pickle.Pickler):
     """Regions and peer groups travel by reference (plus a plain copy of a region's fields, so
     the worker can build a stand-in for a region that no engine there registered)."""
@@ -624,8 +650,8 @@ class RemoteHarness(Harness):
         if not self.supports_stall or not isinstance(engine, RemoteEngine):
             super().stall_peer(engine)
             return
-        os.kill(engine.pid, signal.SIGSTOP)
         self._stopped.add(engine.pid)
+        stop_process(engine.pid)
 
     def resume_peer(self, engine: TransferEngine) -> None:
         if not isinstance(engine, RemoteEngine):
