@@ -139,3 +139,108 @@ def test_bad_input_is_refused_with_a_config_error() -> None:
     with pytest.raises(ConfigError, match="at least 1"):
         ClusterSpec("x", 0, 1, 1.0, 1e-6, 0.0, 1.0, 0.0)
     assert m.run() == 0.0  # nothing was added
+
+
+def test_work_requests_of_one_connection_move_their_bytes_one_after_another() -> None:
+    spec = replace(CX7, per_wr_s=0.0)
+    m = FlowModel(spec, nodes=3)
+    n, rate = 1 << 20, _bps(400)
+    first = m.write(Port(0, 0), Port(1, 0), n)
+    second = m.write(Port(0, 0), Port(1, 0), n)
+    other = m.write(Port(0, 0), Port(2, 0), 2 * n)
+    m.run()
+    # the queue pair to node 1 is one flow: its two writes take turns at half the line
+    assert first.sent_s == pytest.approx(2 * n / rate, abs=EXACT)
+    assert second.sent_s == pytest.approx(4 * n / rate, abs=EXACT)
+    assert other.sent_s == pytest.approx(4 * n / rate, abs=EXACT)
+
+
+def test_an_imm_only_write_waits_for_the_bytes_ahead_of_it_on_its_connection() -> None:
+    spec = replace(CX7, per_wr_s=0.0)
+    m = FlowModel(spec, nodes=2)
+    n = 1 << 20
+    m.write(Port(0, 0), Port(1, 0), n)
+    imm = m.write(Port(0, 0), Port(1, 0), 0)
+    m.run()
+    assert imm.sent_s == pytest.approx(n / _bps(400), abs=EXACT)
+
+
+def test_a_full_window_holds_the_next_submission_until_an_acknowledgement() -> None:
+    spec = replace(CX7, per_wr_s=0.0)
+    m = FlowModel(spec, nodes=2)
+    m.window("staging", 1)
+    n, rate, lat = 1 << 20, _bps(400), spec.nic_latency_s
+    wrs = [m.write(Port(0, 0), Port(1, 0), n, window="staging") for _ in range(3)]
+    end = m.run()
+    one = n / rate + 2 * lat  # bytes out, land, acknowledgement back
+    for i, w in enumerate(wrs):
+        assert w.submitted_s == pytest.approx(i * one, abs=EXACT)
+        assert w.acked_s == pytest.approx((i + 1) * one, abs=EXACT)
+    assert end == pytest.approx(3 * one - lat, abs=EXACT)
+    # a window as large as the work needs holds nothing back
+    wide = FlowModel(spec, nodes=2)
+    wide.window("staging", 3)
+    for _ in range(3):
+        wide.write(Port(0, 0), Port(1, 0), n, window="staging")
+    assert wide.run() == pytest.approx(3 * n / rate + lat, abs=EXACT)
+
+
+def test_a_quantum_delays_a_start_by_less_than_one_quantum() -> None:
+    spec = replace(CX7, per_wr_s=0.0)
+    q, n, rate = 1e-6, 1 << 20, _bps(400)
+    m = FlowModel(spec, nodes=4, quantum_s=q)
+    a = m.write(Port(0, 0), Port(1, 0), n)
+    b = m.write(Port(2, 0), Port(3, 0), n, at_s=0.3 * q)
+    m.run()
+    assert a.sent_s == pytest.approx(n / rate, abs=EXACT)
+    assert b.sent_s == pytest.approx(q + n / rate, abs=EXACT)  # waited for the next recompute
+    exact = FlowModel(spec, nodes=4)
+    b0 = exact.write(Port(2, 0), Port(3, 0), n, at_s=0.3 * q)
+    exact.run()
+    assert 0 < b.sent_s - b0.sent_s < q
+
+
+def test_the_summary_names_the_busiest_link_and_each_tags_span() -> None:
+    spec = replace(CX7, per_wr_s=0.0)
+    m = FlowModel(spec, nodes=4)
+    n = 1 << 20
+    for s in range(3):
+        m.write(Port(s, 0), Port(3, 0), n, tag="fan-in")
+    m.write(Port(0, 0), Port(1, 0), n, at_s=1e-3, tag="later")
+    end = m.run()
+    out = m.summary()
+    assert out["makespan_s"] == end
+    assert out["work_requests"] == 4 and out["bytes"] == 4 * n
+    busiest = out["links"][0]
+    assert busiest["link"] == "rx/3/0/0" and busiest["bytes"] == 3 * n
+    assert busiest["busy_s"] == pytest.approx(3 * n / _bps(400), abs=EXACT)
+    assert out["tags"]["fan-in"]["end_s"] == pytest.approx(3 * n / _bps(400) + spec.nic_latency_s, abs=EXACT)
+    assert out["tags"]["later"]["start_s"] == 1e-3
+    assert out["last"]["tag"] == "later"
+    assert FlowModel(spec, nodes=1).summary()["work_requests"] == 0
+
+
+def test_many_connections_and_work_requests_stay_exact_in_total() -> None:
+    """A balanced all-to-all of 16 GPUs x 64 writes each: every receive side carries the same
+    bytes, so the last byte lands at (bytes per receiver) / line rate + latency."""
+    spec = replace(CX7, per_wr_s=0.0)
+    m = FlowModel(spec, nodes=16)
+    n = 1 << 16
+    for s in range(16):
+        for k in range(64):
+            d = (s + 1 + k % 15) % 16
+            m.write(Port(s, 0), Port(d, 0), n)
+    end = m.run()
+    per_rx = max(link["bytes"] for link in m.summary()["links"])
+    assert end == pytest.approx(per_rx / _bps(400) + spec.nic_latency_s, rel=1e-9)
+    assert m.recomputes < 64 * 16
+
+
+def test_window_and_quantum_are_checked() -> None:
+    m = FlowModel(CX7, nodes=2)
+    with pytest.raises(ConfigError, match="positive int"):
+        m.window("w", 0)
+    with pytest.raises(ConfigError, match="not declared"):
+        m.write(Port(0, 0), Port(1, 0), 1, window="w")
+    with pytest.raises(ConfigError, match="quantum_s"):
+        FlowModel(CX7, nodes=2, quantum_s=-1.0)
