@@ -96,7 +96,14 @@ def test_inside_a_node_writes_go_over_nvlink() -> None:
     n = 64 << 20
     wr = m.write(Port(0, 0), Port(0, 5), n)
     m.run()
-    assert wr.done_s == pytest.approx(CX7.per_wr_s + n / _bps(3600) + CX7.nvlink_latency_s, abs=EXACT)
+    # GPU threads store over NVLink: no NIC work request, so no per-request cost by default
+    assert wr.done_s == pytest.approx(n / _bps(3600) + CX7.nvlink_latency_s, abs=EXACT)
+    # an engine without an NVLink path loops through its NICs, at their rate and cost
+    nic = FlowModel(CX7, nodes=1, nvlink=False)
+    looped = nic.write(Port(0, 0), Port(0, 5), n)
+    nic.run()
+    assert looped.done_s == pytest.approx(CX7.per_wr_s + n / _bps(400) + CX7.nic_latency_s, abs=EXACT)
+    assert nic.summary()["links"][0]["link"] in ("tx/0/0/0", "rx/0/5/0")
 
 
 def test_one_gpus_four_efa_nics_together_match_one_400g_nic() -> None:

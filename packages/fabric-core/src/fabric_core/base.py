@@ -213,9 +213,13 @@ class EngineBase(TransferEngine):
             raise EngineClosed("this engine is closed")
 
     # --- memory --------------------------------------------------------------------
+    def _memory_span(self, memory: object) -> MemorySpan:
+        """What ``register`` registers (a backend may accept more, e.g. phantom memory)."""
+        return memory_span(memory)
+
     def register(self, memory: object, *, writable: bool | None = None) -> MemoryRegion:
         self._check_open()
-        span = memory_span(memory)
+        span = self._memory_span(memory)
         if span.device.kind == "cuda" and not self._caps.cuda_memory:
             raise CapabilityError(
                 f"the {self._caps.backend} backend carries host memory only here; "

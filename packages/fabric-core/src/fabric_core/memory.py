@@ -50,6 +50,11 @@ def memory_span(obj: object) -> MemorySpan:
         return MemorySpan(obj.ptr, obj.length, Device.parse(obj.device), True, obj)
     if _is_torch_tensor(obj):
         t: Any = obj
+        if t.device.type == "meta":
+            raise ConfigError(
+                "a meta tensor has no memory to register: only a phantom simulator "
+                "(fabric_sim.SimFabric(phantom=True)) takes one"
+            )
         if not t.is_contiguous():
             raise ConfigError("tensor is not contiguous: register tensor.contiguous() instead")
         nbytes = int(t.numel()) * int(t.element_size())

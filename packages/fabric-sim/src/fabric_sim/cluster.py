@@ -16,7 +16,7 @@ and its target NIC's receive direction, and the rates are the progressive-fillin
 taking from one with less). A work request is done ``latency_s`` after its last byte left, and
 its sender learns it ``latency_s`` later (which frees a slot of its submission window, if it
 has one: a sender's staging slots). Inside a node, the same holds over the two GPUs' NVLink
-ports. Rates are recomputed whenever the set of busy connections changes, so the timeline is
+ports, with NVLink's own per-write cost (none by default: GPU threads store directly). Rates are recomputed whenever the set of busy connections changes, so the timeline is
 exact for the model: small cases have closed-form answers (``tests``: one flow, flows sharing
 a NIC, many small writes bounded by the per-request cost). The rates are computed with numpy
 over all busy connections at once, and a work request that follows another on a busy
@@ -57,6 +57,9 @@ class ClusterSpec:
     nvlink_gbps: float
     """One GPU's NVLink bandwidth, per direction (Gbit/s)."""
     nvlink_latency_s: float
+    nvlink_per_wr_s: float = 0.0
+    """Cost of one write over NVLink at its GPU (0: GPU threads store directly, no NIC work
+    request; what the reference system's MoE kernels do inside a node)."""
 
     def __post_init__(self) -> None:
         for name in ("gpus_per_node", "nics_per_gpu"):
@@ -66,7 +69,7 @@ class ClusterSpec:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name} must be a positive rate, got {value}")
-        for name in ("nic_latency_s", "per_wr_s", "nvlink_latency_s"):
+        for name in ("nic_latency_s", "per_wr_s", "nvlink_latency_s", "nvlink_per_wr_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"{name} must be a non-negative time, got {value}")
@@ -166,8 +169,9 @@ def water_fill(uses: np.ndarray[Any, Any], capacity: np.ndarray[Any, Any]) -> np
     return rates
 
 
-# event kinds, in the order they are taken at one instant
-_ACK, _FINISH, _POST, _SUBMIT, _WAKE, _RECOMPUTE = range(6)
+# queued event kinds, in the order they are taken at one instant (after the ends of work
+# requests, which are kept per connection)
+_ACK, _POST, _SUBMIT, _WAKE, _RECOMPUTE = range(5)
 
 
 class FlowModel:
@@ -177,17 +181,18 @@ class FlowModel:
     move their bytes one after another, in posting order, and the connections in flight share
     the links max-min fairly. ``window(key, limit)`` bounds how many work requests of one
     window are submitted and not yet acknowledged (a sender's staging slots, say): the next
-    one is submitted when one is acknowledged. ``quantum_s`` > 0 recomputes the rates at
+    one is submitted when one is acknowledged. ``nvlink=False`` sends writes inside a node
+    through the NICs too (an engine without an NVLink path). ``quantum_s`` > 0 recomputes the rates at
     most once per quantum (a connection that starts in between waits for the next one, so a
     start is late by less than a quantum); 0 recomputes at every change (exact).
     """
 
-    def __init__(self, spec: ClusterSpec, nodes: int, *, quantum_s: float = 0.0) -> None:
+    def __init__(self, spec: ClusterSpec, nodes: int, *, quantum_s: float = 0.0, nvlink: bool = True) -> None:
         if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
             raise ConfigError(f"nodes must be at least 1, got {nodes}")
         if not (math.isfinite(quantum_s) and quantum_s >= 0):
             raise ConfigError(f"quantum_s must be a non-negative time, got {quantum_s}")
-        self.spec, self.nodes, self.quantum_s = spec, nodes, quantum_s
+        self.spec, self.nodes, self.quantum_s, self.nvlink = spec, nodes, quantum_s, nvlink
         self._wrs: list[WorkRequest] = []
         self._windows: dict[Hashable, int] = {}
         self._res: dict[Resource, int] = {}
@@ -220,7 +225,8 @@ class FlowModel:
         tag: str = "",
     ) -> WorkRequest:
         """Add a work request of ``nbytes`` from ``src`` to ``dst``, ready at ``at_s``. Inside a
-        node (same ``node``, another GPU) it goes over NVLink (the ports' ``nic`` is ignored)."""
+        node (same ``node``, another GPU) it goes over NVLink (the ports' ``nic`` is ignored),
+        or through the NICs (loopback through the switch) if the model has ``nvlink=False``."""
         self._check(src)
         self._check(dst)
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
@@ -232,7 +238,7 @@ class FlowModel:
         if window is not None and window not in self._windows:
             raise ConfigError(f"window {window!r} was not declared: call window(key, limit) first")
         res: tuple[Resource, Resource]
-        if src.node == dst.node:
+        if src.node == dst.node and self.nvlink:
             res = (("nvl-tx", src.node, src.gpu, 0), ("nvl-rx", dst.node, dst.gpu, 0))
         else:
             res = (("tx", src.node, src.gpu, src.nic), ("rx", dst.node, dst.gpu, dst.nic))
@@ -247,7 +253,7 @@ class FlowModel:
         return gbps * 1e9 / 8
 
     def _latency(self, wr: WorkRequest) -> float:
-        return self.spec.nvlink_latency_s if wr.src.node == wr.dst.node else self.spec.nic_latency_s
+        return self.spec.nvlink_latency_s if wr.resources[0][0] == "nvl-tx" else self.spec.nic_latency_s
 
     @staticmethod
     def max_min_rates(flows: Sequence[Iterable[Resource]], capacity: dict[Resource, float]) -> list[float]:
@@ -276,8 +282,8 @@ class FlowModel:
         remaining = np.zeros(nconn)
         rate = np.zeros(nconn)
         since = np.zeros(nconn)
-        version = [0] * nconn
-        active: set[int] = set()
+        finish = np.full(nconn, math.inf)
+        busy = np.zeros(nconn, dtype=bool)
         nic_free: dict[Resource, float] = {}
         events: list[tuple[float, int, int, Any]] = []
         seq = itertools.count()
@@ -302,7 +308,8 @@ class FlowModel:
         def submit(wr: WorkRequest, t: float) -> None:
             wr.submitted_s = t
             port = wr.resources[0]
-            wr.posted_s = max(t, nic_free.get(port, 0.0)) + spec.per_wr_s
+            cost = spec.per_wr_s if port[0] == "tx" else spec.nvlink_per_wr_s
+            wr.posted_s = max(t, nic_free.get(port, 0.0)) + cost
             nic_free[port] = wr.posted_s
             heapq.heappush(events, (wr.posted_s, _POST, next(seq), wr))
 
@@ -336,37 +343,45 @@ class FlowModel:
                     continue
                 head[c] = wr
                 remaining[c], since[c] = float(wr.nbytes), t
-                if c in active:
-                    if rate[c] > 0:  # the same connection goes on at its rate
-                        heapq.heappush(events, (t + wr.nbytes / rate[c], _FINISH, next(seq), (c, version[c])))
+                if busy[c]:  # the same connection goes on at its rate
+                    finish[c] = t + wr.nbytes / rate[c] if rate[c] > 0 else math.inf
                 else:
-                    active.add(c)
-                    rate[c] = 0.0
-                    version[c] += 1
+                    busy[c] = True
+                    rate[c], finish[c] = 0.0, math.inf
                     dirty = True
                 return
             head[c] = None
-            if c in active:
-                active.discard(c)
-                rate[c] = 0.0
-                version[c] += 1
+            if busy[c]:
+                busy[c] = False
+                rate[c], finish[c] = 0.0, math.inf
                 dirty = True
 
         def recompute(t: float) -> None:
-            ids = np.fromiter(active, dtype=np.int64, count=len(active))
+            ids = np.flatnonzero(busy)
             if len(ids) == 0:
                 return
             self.recomputes += 1
             remaining[ids] = np.maximum(remaining[ids] - rate[ids] * (t - since[ids]), 0.0)
             since[ids] = t
             rate[ids] = water_fill(uses[ids], cap)
-            finish = t + remaining[ids] / rate[ids]
-            for c, f in zip(ids.tolist(), finish.tolist(), strict=True):
-                version[c] += 1
-                heapq.heappush(events, (f, _FINISH, next(seq), (c, version[c])))
+            finish[ids] = t + remaining[ids] / rate[ids]
 
-        while events:
-            t = events[0][0]
+        # the next event: the earliest queued one, or the earliest end of a connection's
+        # current work request at its rate (``finish``, kept per connection in numpy)
+        while True:
+            c_next = int(np.argmin(finish)) if nconn else 0
+            t_fin = float(finish[c_next]) if nconn else math.inf
+            t = min(events[0][0] if events else math.inf, t_fin)
+            if t == math.inf:
+                break
+            while t_fin <= t:  # every connection whose work request ends now
+                done = head[c_next]
+                assert done is not None
+                complete(done, t)
+                head[c_next] = None
+                start_next(c_next, t)
+                c_next = int(np.argmin(finish))
+                t_fin = float(finish[c_next])
             while events and events[0][0] == t:
                 _, kind, _, item = heapq.heappop(events)
                 if kind == _SUBMIT:
@@ -380,14 +395,6 @@ class FlowModel:
                     c = item.conn
                     queues[c].append(item)
                     if head[c] is None:
-                        start_next(c, t)
-                elif kind == _FINISH:
-                    c, v = item
-                    if v == version[c]:
-                        done = head[c]
-                        assert done is not None
-                        complete(done, t)
-                        head[c] = None
                         start_next(c, t)
                 else:  # _RECOMPUTE
                     recompute_queued = False

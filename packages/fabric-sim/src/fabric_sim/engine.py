@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from fabric_core.base import EngineBase, Registration
 from fabric_core.errors import ConfigError, EngineClosed, PeerUnreachable
 from fabric_core.memory import MemorySpan
-from fabric_core.models import Capabilities, DomainAddress, DomainInfo
+from fabric_core.models import Capabilities, Device, DomainAddress, DomainInfo
 from fabric_core.ops import Message, Plan
 from fabric_core.reconcile import PowerSums
 from fabric_core.settings import FabricSettings
@@ -100,6 +100,17 @@ class SimEngine(EngineBase):
     def _peer_stats(self) -> tuple[PeerStats, ...]:
         fabric = self._fabric
         return self._traffic.peer_stats(lambda eid: fabric.address(eid, 0))
+
+    def _memory_span(self, memory: object) -> MemorySpan:
+        # a phantom fabric registers meta tensors: a size, an address no byte is ever read at
+        if self._fabric.phantom and type(memory).__module__.startswith("torch"):
+            t: Any = memory
+            if t.device.type == "meta":
+                nbytes = int(t.numel()) * int(t.element_size())
+                if nbytes == 0:
+                    raise ConfigError("cannot register an empty tensor")
+                return MemorySpan(self._fabric.phantom_range(nbytes), nbytes, Device(), True, t)
+        return super()._memory_span(memory)
 
     def _backend_register(
         self, span: MemorySpan, writable: bool, handle: int

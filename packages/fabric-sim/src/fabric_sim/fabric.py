@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from fabric_core.errors import (
     ConfigError,
@@ -42,7 +42,7 @@ from .link import LinkModel
 if TYPE_CHECKING:
     from .engine import SimEngine, _SimKeys
 
-__all__ = ["SimFabric"]
+__all__ = ["PostedWr", "SimFabric"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,20 @@ _fabric_ids = itertools.count(1)
 # event kinds
 _CHUNK, _WR_DONE, _IMM, _LOCAL, _MSG, _ACK = range(6)
 _SPREAD = 3.0
+_PHANTOM_BASE = 1 << 60  # phantom regions live above every real address (x86-64, aarch64)
 _TICK = 0.01  # how often (wall clock) deadlines and liveness are checked
+
+
+class PostedWr(NamedTuple):
+    """A work request as posted (``SimFabric(record=True)``): engine ids, the NIC index (the
+    same at both ends), bytes, the source address and the fabric's ``record_tag`` then."""
+
+    src: int
+    dst: int
+    nic: int
+    nbytes: int
+    src_ptr: int
+    tag: str
 
 
 class _Xfer:
@@ -167,10 +180,23 @@ class SimFabric:
     into; ``link`` adds a virtual clock (``now`` in seconds); ``trace=True`` records every
     delivered event in ``trace``. Faults: ``fail_peer``,
     ``fail_nic``, and ``after(n, fn)`` to act after exactly ``n`` more events.
+
+    ``phantom=True`` lets engines register meta tensors (``torch.empty(n, device="meta")``):
+    regions with a size and no bytes, so a process holds hundreds of ranks' worth of them;
+    writes from or to them move no bytes (counts, completions and errors are as usual).
+    ``record=True`` appends every work request posted to ``recorded`` as a ``PostedWr``
+    (``fabric_sim.predict`` times them on a cluster model); ``record_tag`` labels them.
     """
 
     def __init__(
-        self, seed: int = 0, *, chunk_bytes: int = 65536, link: LinkModel | None = None, trace: bool = False
+        self,
+        seed: int = 0,
+        *,
+        chunk_bytes: int = 65536,
+        link: LinkModel | None = None,
+        trace: bool = False,
+        phantom: bool = False,
+        record: bool = False,
     ) -> None:
         if chunk_bytes < 1:
             raise ConfigError("chunk_bytes must be positive")
@@ -201,6 +227,17 @@ class SimFabric:
         self.trace: list[tuple[int, tuple[int, ...]]] | None = [] if trace else None
         self.events = 0
         self.wrs_delivered = 0
+        self.phantom = phantom
+        self._phantom_next = _PHANTOM_BASE
+        self.recorded: list[PostedWr] | None = [] if record else None
+        self.record_tag = ""
+
+    def phantom_range(self, nbytes: int) -> int:
+        """A fresh address range of ``nbytes`` for a phantom region (never dereferenced)."""
+        with self._cv:
+            ptr = self._phantom_next
+            self._phantom_next += -(-nbytes // 4096) * 4096 + 4096
+            return ptr
 
     # --- addressing ------------------------------------------------------------------
     def address(self, engine_id: int, nic: int) -> DomainAddress:
@@ -374,6 +411,10 @@ class SimFabric:
                     self._push(self.now + self._jitter(), _LOCAL, (xfer, err, 0))
                     continue
                 length = lengths[i]
+                if self.recorded is not None:
+                    self.recorded.append(
+                        PostedWr(engine.engine_id, dst, nic, length, src_ptr + src_offs[i], self.record_tag)
+                    )
                 wr = _WR(
                     xfer,
                     dst,
@@ -668,7 +709,7 @@ class SimFabric:
                     err = self._check_access(wr, nics=False)
             if err is not None:
                 wr.error = err
-            elif n:
+            elif n and wr.dst_addr < _PHANTOM_BASE and wr.src_ptr < _PHANTOM_BASE:
                 ctypes.memmove(wr.dst_addr + off, wr.src_ptr + off, n)
         if wr.left == 0:
             self._push(self.now + (self._jitter() * 0.25 if self.link is None else 0.0), _WR_DONE, wr)

@@ -10,6 +10,7 @@ from ..registry import installed_backends
 from .bench import bench
 from .demo import demo
 from .info import info
+from .sim import sim
 
 __all__ = ["main"]
 
@@ -45,6 +46,7 @@ def main(log_level: str) -> None:
     fabric info    what is installed and usable here, and every FABRIC_* setting
     fabric bench   latency / bandwidth sweep between two engines (the simulator if no RDMA)
     fabric demo    a narrated tour of the contract on the simulator
+    fabric sim     predicted times of the apps on a cluster model (moe, rl, peak)
     """
     setup_logging(log_level.upper())
 
@@ -52,3 +54,4 @@ def main(log_level: str) -> None:
 main.add_command(info)
 main.add_command(bench)
 main.add_command(demo)
+main.add_command(sim)
