@@ -40,7 +40,7 @@ def test_a_phantom_fabric_registers_meta_tensors_and_moves_no_bytes() -> None:
             (a.engine_id, b.engine_id, 64, "phase-1"),
         ]
         assert src.ptr >= 1 << 60 and dst.ptr >= 1 << 60  # never a real address
-        with pytest.raises(ConfigError, match="outside|bounds|range"):
+        with pytest.raises(ConfigError, match="exceed the region"):
             a.submit_write(src, 0, 16, dst.descriptor, big - 8)
     finally:
         a.close()
@@ -141,8 +141,13 @@ def test_kimi_k2_fleets_hold_a_trillion_parameters() -> None:
     source, destination = kimi_k2_fleets()
     params = sum(p.numel for p in source.params)
     assert 1.02e12 < params < 1.04e12
-    assert source.nbytes == pytest.approx(2 * params, rel=1e-9)  # bf16
-    assert 1.02e12 < destination.nbytes / 1.0 < 1.06e12 * 16  # fp8 matrices, bf16 rest, 8 replicas x copies
+    assert source.nbytes == 2 * params  # bf16
+    fp8 = sum(p.numel for p in destination.params if p.dtype == "float8_e4m3fn")
+    assert destination.nbytes == fp8 + 2 * (params - fp8)  # the matrices in fp8, the rest bf16
+    assert fp8 / params > 0.99
+    # every replica of 16 ranks holds one copy: 8 copies over the 128 inference ranks
+    per_rank = [destination.layout(r).nbytes for r in range(16)]
+    assert sum(per_rank) >= destination.nbytes
     with pytest.raises(ConfigError, match="layers"):
         kimi_k2_fleets(layers=0)
     with pytest.raises(ConfigError, match="multiple"):

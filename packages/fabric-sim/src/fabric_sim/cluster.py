@@ -16,8 +16,9 @@ and its target NIC's receive direction, and the rates are the progressive-fillin
 taking from one with less). A work request is done ``latency_s`` after its last byte left, and
 its sender learns it ``latency_s`` later (which frees a slot of its submission window, if it
 has one: a sender's staging slots). Inside a node, the same holds over the two GPUs' NVLink
-ports, with NVLink's own per-write cost (none by default: GPU threads store directly). Rates are recomputed whenever the set of busy connections changes, so the timeline is
-exact for the model: small cases have closed-form answers (``tests``: one flow, flows sharing
+ports, with NVLink's own per-write cost (none by default: GPU threads store directly).
+Rates are recomputed whenever the set of busy connections changes, so the timeline is exact
+for the model: small cases have closed-form answers (``tests``: one flow, flows sharing
 a NIC, many small writes bounded by the per-request cost). The rates are computed with numpy
 over all busy connections at once, and a work request that follows another on a busy
 connection changes no rate, so hundreds of thousands of work requests over thousands of
@@ -32,13 +33,22 @@ import math
 from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from fabric_core.errors import ConfigError
 
-__all__ = ["CLUSTERS", "ClusterSpec", "FlowModel", "Port", "Resource", "WorkRequest", "cluster_preset", "water_fill"]
+__all__ = [
+    "CLUSTERS",
+    "ClusterSpec",
+    "FlowModel",
+    "Port",
+    "Resource",
+    "WorkRequest",
+    "cluster_preset",
+    "water_fill",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,7 +273,9 @@ class FlowModel:
         sets = [[index[r] for r in f] for f in flows]
         width = max((len(s) for s in sets), default=1)
         pad = len(index)  # a resource no flow fills: every flow crosses at least one real one
-        uses = np.array([s + [pad] * (width - len(s)) for s in sets], dtype=np.int64).reshape(len(sets), width)
+        uses = np.array([s + [pad] * (width - len(s)) for s in sets], dtype=np.int64).reshape(
+            len(sets), width
+        )
         cap = np.array([*capacity.values(), math.inf])
         return [float(r) for r in water_fill(uses, cap)]
 
@@ -296,9 +308,9 @@ class FlowModel:
                 heapq.heappush(events, (wr.ready_s, _SUBMIT, next(seq), wr))
             else:
                 order[wr.window].append(wr)
-        for key in order:
-            if order[key]:
-                heapq.heappush(events, (order[key][0].ready_s, _WAKE, next(seq), key))
+        for win, todo in order.items():
+            if todo:
+                heapq.heappush(events, (todo[0].ready_s, _WAKE, next(seq), win))
         last = 0.0
         dirty = False
         next_recompute = 0.0
@@ -437,7 +449,7 @@ class FlowModel:
                 }
                 for r, n in carried.items()
             ),
-            key=lambda d: -float(d["busy_s"]),
+            key=lambda d: -float(cast(float, d["busy_s"])),
         )
         final = max(wrs, key=lambda w: w.done_s)
         return {

@@ -192,7 +192,19 @@ class WeightsSender:
                     _Chunk(d, nic, c["src_offset"][i], src_len[i], c["dst_offset"][i], c["length"][i], cast)
                 )
         self._make_requests()
-        self._chunks = sorted(chunks, key=lambda ch: (self._turn[ch.dst], ch.dst_offset))
+        # staged chunks interleaved across destinations: every destination's k-th chunk (in
+        # this rank's rotation) before any destination's (k+1)-th, so the writes in flight (at
+        # most the staging slots) spread over all this rank's destinations. One destination
+        # at a time made ranks that feed the same few destinations (expert shards) start on
+        # the same one and queue there: `fabric sim rl` predicted 8.7 s instead of 1.3 s for
+        # a Kimi-K2 update at 256 -> 128 GPUs, with the receivers 15% busy.
+        nth: dict[int, int] = {}
+        keyed: list[tuple[tuple[int, int, int], _Chunk]] = []
+        for ch in sorted(chunks, key=lambda ch: (ch.dst, ch.dst_offset)):
+            k = nth.get(ch.dst, 0)
+            nth[ch.dst] = k + 1
+            keyed.append(((k, self._turn[ch.dst], ch.dst_offset), ch))
+        self._chunks = [ch for _, ch in sorted(keyed, key=lambda kc: kc[0])]
         if self._chunks:
             self._bytes: Any = _torch.byte_view(buffer)
             self._dtypes = [(_torch.dtype(a), _torch.dtype(b)) for a, b in plan.casts]

@@ -65,7 +65,9 @@ def _emit(pred: Any, json_path: Path | None, plot_path: Path | None) -> None:
 
 def _common(fn: Any) -> Any:
     fn = click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="Write a plot (PNG).")(fn)
-    fn = click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the prediction.")(fn)
+    fn = click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the prediction.")(
+        fn
+    )
     fn = click.option("--seed", type=int, default=0, show_default=True, help="Seed of the simulator.")(fn)
     return click.option(
         "--cluster",
@@ -113,7 +115,14 @@ def moe(
 
     try:
         pred = predict.predict_moe(
-            cluster, ep, tokens=tokens, hidden=hidden, top_k=top_k, experts=experts, seed=seed, nvlink=not no_nvlink
+            cluster,
+            ep,
+            tokens=tokens,
+            hidden=hidden,
+            top_k=top_k,
+            experts=experts,
+            seed=seed,
+            nvlink=not no_nvlink,
         )
     except FabricError as exc:
         raise click.ClickException(str(exc)) from None
@@ -126,7 +135,11 @@ def moe(
 @click.option("--infer-gpus", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--replica-gpus", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option(
-    "--layers", type=click.IntRange(1, 61), default=61, show_default=True, help="Kimi-K2 layers kept (61: all)."
+    "--layers",
+    type=click.IntRange(1, 61),
+    default=61,
+    show_default=True,
+    help="Kimi-K2 layers kept (61: all).",
 )
 @click.option("--staging-mib", type=click.IntRange(min=1), default=256, show_default=True)
 def rl(
@@ -161,7 +174,9 @@ def rl(
 
 @sim.command("peak")
 @_common
-@click.option("--mib", type=click.IntRange(min=1), default=1024, show_default=True, help="Bytes written (MiB).")
+@click.option(
+    "--mib", type=click.IntRange(min=1), default=1024, show_default=True, help="Bytes written (MiB)."
+)
 def peak(cluster: str, seed: int, json_path: Path | None, plot_path: Path | None, mib: int) -> None:
     """One GPU's aggregate write bandwidth to another node, over all its NICs."""
     predict = _predict()
