@@ -5,7 +5,7 @@ Runs every scenario of ``fabric_sim.predict`` with the cluster presets unchanged
 table) and ``predictions.png`` (predicted vs reported, per figure). Takes about ten minutes
 and ~6 GB of memory on a 2-core machine (RL at 384 ranks is most of it).
 
-    python benchmarks/sim_predictions.py [--only moe|rl|peak] [--out DIR]
+    python benchmarks/sim_predictions.py [--only moe|rl|kv|peak] [--out DIR]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fabric_sim.predict import Prediction, predict_moe, predict_peak, predict_rl, report
+from fabric_sim.predict import Prediction, predict_kv, predict_moe, predict_peak, predict_rl, report
 
 OUT = Path(__file__).parent / "results" / "sim"
 
@@ -77,6 +77,12 @@ def run(only: str | None, out: Path) -> list[dict[str, Any]]:
             p = _save(predict_rl(cluster), f"rl-{cluster}", out)
             row("RL weight update, Kimi-K2 256->128", p, "step", (p.reference or {}).get("step_s"), "s")
             rows[-1]["bound"] = p.extra["bound_s"]
+    if only in (None, "kv"):
+        for cluster in ("cx7-400g", "efa-p5"):
+            for layer_s in (0.0, 1e-3):
+                p = _save(predict_kv(cluster, layer_s=layer_s), f"kv-{cluster}-layer{layer_s * 1e3:g}ms", out)
+                row(f"KvCache 8 x 8K tokens, layers every {layer_s * 1e3:g} ms", p, "kv", None, "s")
+                rows[-1]["tail_after_last_layer"] = p.extra["tail_after_last_layer_s"]
     return rows
 
 
@@ -106,7 +112,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=("moe", "rl", "peak"))
+    ap.add_argument("--only", choices=("moe", "rl", "kv", "peak"))
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     t0 = time.monotonic()

@@ -15,7 +15,15 @@ from fabric_core import ConfigError, ImmRequest
 from fabric_sim import SimFabric
 from fabric_sim.cluster import cluster_preset
 from fabric_sim.fabric import PostedWr
-from fabric_sim.predict import kimi_k2_fleets, predict_moe, predict_peak, predict_rl, report, time_phase
+from fabric_sim.predict import (
+    kimi_k2_fleets,
+    predict_kv,
+    predict_moe,
+    predict_peak,
+    predict_rl,
+    report,
+    time_phase,
+)
 
 torch = pytest.importorskip("torch")
 
@@ -166,6 +174,28 @@ def test_rl_runs_the_real_sender_and_receiver_over_phantom_buffers() -> None:
     assert out["phases"]["step"]["work_requests"] == step.work_requests
 
 
+def test_kv_runs_the_real_prefill_and_decoder_layer_by_layer() -> None:
+    spec = cluster_preset("cx7-400g")
+    rate = spec.gpu_gbps * 1e9 / 8
+    # every layer already computed: the transfer alone, each pair on its own NICs
+    p = predict_kv(spec, pairs=2, tokens=1024)
+    kv = p.phases["kv"]
+    per_request = p.extra["bytes_per_request"]
+    assert per_request == 16 * 61 * 64 * 576 * 2  # 16 pages x 61 layers x 72 KiB
+    assert kv.bytes == 2 * per_request and kv.work_requests == 2 * 16 * 61
+    assert per_request / rate < kv.makespan_s < per_request / rate + 16 * 61 * spec.per_wr_s + 1e-5
+    # layers computed 1 ms apart: each layer's 1.2 MB is through long before the next, so the
+    # decoder has everything one layer's transfer after the last layer was computed
+    slow = predict_kv(spec, pairs=2, tokens=1024, layer_s=1e-3)
+    layer = per_request / 61 / rate
+    assert (
+        layer < slow.extra["tail_after_last_layer_s"] < layer + 16 * spec.per_wr_s + spec.nic_latency_s + 1e-6
+    )
+    assert "after the last layer" in report(slow)
+    with pytest.raises(ConfigError, match="pairs"):
+        predict_kv(spec, pairs=0)
+
+
 def test_the_cli_prints_and_writes_a_prediction(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
@@ -185,5 +215,8 @@ def test_the_cli_prints_and_writes_a_prediction(tmp_path: Path) -> None:
     )
     assert out.exit_code == 0, out.output
     assert "dispatch" in out.output
+    out = runner.invoke(main, ["sim", "kv", "--pairs", "1", "--tokens", "256", "--layer-ms", "0.5"])
+    assert out.exit_code == 0, out.output
+    assert "after the last layer" in out.output
     out = runner.invoke(main, ["sim", "moe", "--ep", "3", "--experts", "8"])
     assert out.exit_code != 0 and "divisible" in out.output

@@ -23,6 +23,7 @@ and congestion inside the switch fabric (links are the only shared resources).
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -38,6 +39,7 @@ __all__ = [
     "PhaseTiming",
     "Prediction",
     "kimi_k2_fleets",
+    "predict_kv",
     "predict_moe",
     "predict_peak",
     "predict_rl",
@@ -121,18 +123,27 @@ def time_phase(
     window_of: Callable[[PostedWr], Hashable | None] | None = None,
     quantum_s: float = 0.0,
     nvlink: bool = True,
+    ready: dict[str, float] | None = None,
 ) -> PhaseTiming:
     """Time the work requests ``recorded`` under tag ``name`` (all ready at 0); ``rank_of``
     maps engine ids to ranks; ``window_of`` names each one's submission window (declared in
-    ``windows`` with its limit) or None. A rank's writes to itself are local copies: counted
-    in the summary (``local_work_requests``, ``local_bytes``), not timed."""
+    ``windows`` with its limit) or None. ``ready`` instead takes every work request whose
+    tag it names, ready at that tag's time (layers computed one after another, say). A
+    rank's writes to itself are local copies: counted in the summary
+    (``local_work_requests``, ``local_bytes``), not timed."""
     model = FlowModel(spec, nodes, quantum_s=quantum_s, nvlink=nvlink)
     for key, limit in (windows or {}).items():
         model.window(key, limit)
     wrs = []
     local = [0, 0]
     for p in recorded:
-        if p.tag != name:
+        if ready is None:
+            if p.tag != name:
+                continue
+            at = 0.0
+        elif p.tag in ready:
+            at = ready[p.tag]
+        else:
             continue
         src, dst = rank_of[p.src], rank_of[p.dst]
         if src == dst:  # a rank's write to itself is a copy in its own memory: no link
@@ -140,7 +151,10 @@ def time_phase(
             local[1] += p.nbytes
             continue
         win = window_of(p) if window_of is not None else None
-        wrs.append((dst, model.write(_port(spec, src, p.nic), _port(spec, dst, p.nic), p.nbytes, window=win)))
+        wr = model.write(
+            _port(spec, src, p.nic), _port(spec, dst, p.nic), p.nbytes, at, window=win, tag=p.tag
+        )
+        wrs.append((dst, wr))
     model.run()
     ranks = max(rank_of.values()) + 1 if rank_of else 0
     done = [0.0] * ranks
@@ -325,7 +339,12 @@ def kimi_k2_fleets(
     # is one contiguous run: whole experts, whole rows); the dense matrices and the vectors are
     # gathered first (the reference system's full_tensor), so every rank holds them and the
     # plan spreads their writes over all ranks
-    src: dict[str, Sharding] = {"mat": Replicated(), "emb": FsdpShard(), "exp": FsdpShard(), "vec": Replicated()}
+    src: dict[str, Sharding] = {
+        "mat": Replicated(),
+        "emb": FsdpShard(),
+        "exp": FsdpShard(),
+        "vec": Replicated(),
+    }
     source = FleetSpec(train_gpus, tuple(ParamSpec(n, s, "bfloat16", src[k]) for n, s, k in shapes))
     destination = FleetSpec(infer_gpus, tuple(ParamSpec(n, s, dest[k][0], dest[k][1]) for n, s, k in shapes))
     return source, destination
@@ -457,6 +476,115 @@ def predict_rl(
     )
 
 
+# --- KvCache ---------------------------------------------------------------------------------------
+def predict_kv(
+    cluster: str | ClusterSpec,
+    *,
+    pairs: int = 8,
+    requests: int = 1,
+    tokens: int = 8192,
+    layer_s: float = 0.0,
+    block_size: int = 64,
+    quantum_s: float = 0.25e-6,
+    seed: int = 0,
+) -> Prediction:
+    """Disaggregated prefill -> decode of DeepSeek-V3's MLA cache (61 layers, 576 bf16 values
+    per token, ``block_size``-token pages): ``pairs`` prefill ranks (the first node) each
+    feeding one decode rank (the next), ``requests`` sequences of ``tokens`` tokens per pair.
+    The real ``KvDecoder.receive`` / ``KvPrefiller.begin`` / ``write_layer`` run over phantom
+    caches; layer ``l``'s writes are ready when its compute ends, ``(l + 1) * layer_s`` after
+    the start (0: every layer already computed, the transfer alone)."""
+    import torch
+
+    from fabric_apps.kvcache import KvDecoder, KvPrefiller, deepseek_v3
+
+    spec = _spec(cluster)
+    for name, value in (("pairs", pairs), ("requests", requests), ("tokens", tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} must be a positive int, got {value!r}")
+    if not (layer_s >= 0 and math.isfinite(layer_s)):
+        raise ConfigError(f"layer_s must be a non-negative time, got {layer_s!r}")
+    t0 = time.monotonic()
+    pages = -(-tokens // block_size)
+    layout = deepseek_v3(pages * requests + 1, block_size=block_size)
+    side = _nodes_for(spec, pairs)
+    nodes = 2 * side
+    fabric = SimFabric(seed, phantom=True, record=True, chunk_bytes=_WHOLE)
+    apps: list[Any] = []
+    engines = []
+    rank_of: dict[int, int] = {}
+
+    def caches() -> list[Any]:
+        shape = layout.accepted_shapes()[0]
+        return [torch.empty(shape, dtype=torch.bfloat16, device="meta") for _ in range(layout.num_layers)]
+
+    try:
+        decoders, prefills = [], []
+        for i in range(pairs):
+            pe, de = fabric.open_engine(nics=spec.nics_per_gpu), fabric.open_engine(nics=spec.nics_per_gpu)
+            engines += [pe, de]
+            rank_of[pe.engine_id] = i
+            rank_of[de.engine_id] = side * spec.gpus_per_node + i
+            prefills.append(KvPrefiller(pe, layout, caches(), max_inflight=requests, timeout=600.0))
+            decoders.append(KvDecoder(de, layout, caches(), timeout=600.0))
+            apps += [prefills[-1], decoders[-1]]
+        for d, p in zip(decoders, prefills, strict=True):
+            d.connect(p.address, timeout=60.0)
+        handles = [
+            d.receive(p.address, f"r{i}.{k}", pages)
+            for i, (d, p) in enumerate(zip(decoders, prefills, strict=True))
+            for k in range(requests)
+        ]
+        src = torch.arange(pages)  # the prefill's block table: its first pages
+        jobs = [[p.begin(p.next_request(60.0), src, timeout=60.0) for _ in range(requests)] for p in prefills]
+        for layer in range(layout.num_layers):
+            fabric.record_tag = f"layer{layer}"
+            for per_prefill in jobs:
+                for job in per_prefill:
+                    job.write_layer(layer)
+        for h in handles:
+            h.wait(600.0)
+            h.release()
+        recorded = list(fabric.recorded or ())
+    finally:
+        for app in reversed(apps):
+            app.close(timeout=5.0)
+        for e in engines:
+            e.close()
+    ready = {f"layer{layer}": (layer + 1) * layer_s for layer in range(layout.num_layers)}
+    phase = time_phase(recorded, rank_of, spec, nodes, "kv", ready=ready, quantum_s=quantum_s)
+    computed = layout.num_layers * layer_s
+    per_request = pages * layout.page_bytes * layout.num_layers
+    return Prediction(
+        "kv",
+        spec.name,
+        nodes,
+        2 * pairs,
+        {
+            "layout": "deepseek-v3 (MLA, bf16)",
+            "pairs": pairs,
+            "requests": requests,
+            "tokens": tokens,
+            "pages": pages,
+            "block_size": block_size,
+            "layer_s": layer_s,
+            "quantum_s": quantum_s,
+        },
+        {"kv": phase},
+        None,
+        [
+            "the prefill's compute (layer_s stands for it), the control messages that ask for "
+            "the request before it starts (one round trip), and the decoder's own work",
+        ],
+        time.monotonic() - t0,
+        {
+            "bytes_per_request": per_request,
+            "tail_after_last_layer_s": phase.makespan_s - computed,
+            "line_rate_s": per_request * requests / (spec.gpu_gbps * 1e9 / 8),
+        },
+    )
+
+
 # --- peak bandwidth --------------------------------------------------------------------------------
 def predict_peak(cluster: str | ClusterSpec, *, nbytes: int = 1 << 30, writes: int = 256) -> Prediction:
     """One GPU writing ``nbytes`` to a GPU of another node in ``writes`` equal writes, spread
@@ -529,6 +657,11 @@ def report(pred: Prediction) -> str:
                 f"    busiest: {link['link']}: {link['bytes'] / 1e6:.1f} MB, busy {_fmt_us(link['busy_s'])} "
                 f"({link['utilisation']:.0%} of the phase)"
             )
+    if pred.scenario == "kv":
+        lines.append(
+            f"  after the last layer was computed: {_fmt_us(pred.extra['tail_after_last_layer_s'])}; "
+            f"the whole cache at line rate: {_fmt_us(pred.extra['line_rate_s'])}"
+        )
     if pred.reference and "gbps" in pred.reference:
         lines.append(f"  aggregate {pred.extra['gbps']:.1f} Gbit/s, reference {pred.reference['gbps']:.0f}")
     lines.append("  left out: " + "; ".join(pred.leaves_out))

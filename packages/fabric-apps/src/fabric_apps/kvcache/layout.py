@@ -276,7 +276,10 @@ class KvLayout:
                     f"layer {i}: kv_split={self.kv_split!r} keeps {want} per layer, got {len(tensors)}"
                 )
             for name, t in zip(names, tensors, strict=True):
-                spans.append(self._check_tensor(i, name, t))
+                span = self._check_tensor(i, name, t)
+                # a meta tensor (a phantom simulator's cache: a shape, no memory) overlaps nothing
+                if getattr(getattr(t, "device", None), "type", None) != "meta":
+                    spans.append(span)
             layers.append(tensors)
         spans.sort()
         for (lo_a, hi_a, a), (lo_b, _hi_b, b) in itertools.pairwise(spans):

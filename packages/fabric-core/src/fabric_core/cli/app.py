@@ -46,7 +46,7 @@ def main(log_level: str) -> None:
     fabric info    what is installed and usable here, and every FABRIC_* setting
     fabric bench   latency / bandwidth sweep between two engines (the simulator if no RDMA)
     fabric demo    a narrated tour of the contract on the simulator
-    fabric sim     predicted times of the apps on a cluster model (moe, rl, peak)
+    fabric sim     predicted times of the apps on a cluster model (moe, rl, kv, peak)
     """
     setup_logging(log_level.upper())
 

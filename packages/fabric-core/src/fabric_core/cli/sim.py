@@ -172,6 +172,42 @@ def rl(
     _emit(pred, json_path, plot_path)
 
 
+@sim.command("kv")
+@_common
+@click.option(
+    "--pairs", type=click.IntRange(min=1), default=8, show_default=True, help="Prefill->decode rank pairs."
+)
+@click.option(
+    "--requests", type=click.IntRange(min=1), default=1, show_default=True, help="Sequences per pair."
+)
+@click.option(
+    "--tokens", type=click.IntRange(min=1), default=8192, show_default=True, help="Tokens per sequence."
+)
+@click.option(
+    "--layer-ms",
+    type=click.FloatRange(min=0.0),
+    default=0.0,
+    show_default=True,
+    help="Prefill compute per layer (0: every layer already computed).",
+)
+def kv(
+    cluster: str,
+    seed: int,
+    json_path: Path | None,
+    plot_path: Path | None,
+    pairs: int,
+    requests: int,
+    tokens: int,
+    layer_ms: float,
+) -> None:
+    """Prefill->decode transfer of DeepSeek-V3's MLA cache, layer by layer (KvPrefiller, KvDecoder)."""
+    predict = _predict()
+    pred = predict.predict_kv(
+        cluster, pairs=pairs, requests=requests, tokens=tokens, layer_s=layer_ms / 1e3, seed=seed
+    )
+    _emit(pred, json_path, plot_path)
+
+
 @sim.command("peak")
 @_common
 @click.option(
