@@ -204,19 +204,30 @@ def test_the_cli_prints_and_writes_a_prediction(tmp_path: Path) -> None:
     runner = CliRunner()
     out = runner.invoke(
         main,
-        ["sim", "peak", "--cluster", "efa-p5", "--mib", "64", "--json", str(tmp_path / "p.json")],
-    )
+        ["sim", "peak", "--cluster", "efa-p5", "--mib", "64", "--json", str(tmp_path / "p.json"),
+         "--plot", str(tmp_path / "p.png")],
+    )  # fmt: skip
     assert out.exit_code == 0, out.output
     assert "aggregate" in out.output
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads((tmp_path / "p.json").read_text())
     assert data["scenario"] == "peak" and data["extra"]["nics"] == 4
     out = runner.invoke(
-        main, ["sim", "moe", "--ep", "4", "--tokens", "8", "--hidden", "32", "--top-k", "2", "--experts", "8"]
-    )
+        main,
+        ["sim", "moe", "--ep", "4", "--tokens", "8", "--hidden", "32", "--top-k", "2", "--experts", "8",
+         "--plot", str(tmp_path / "moe.png")],
+    )  # fmt: skip
     assert out.exit_code == 0, out.output
+    assert (tmp_path / "moe.png").stat().st_size > 1000
     assert "dispatch" in out.output
     out = runner.invoke(main, ["sim", "kv", "--pairs", "1", "--tokens", "256", "--layer-ms", "0.5"])
     assert out.exit_code == 0, out.output
     assert "after the last layer" in out.output
+    small = ["--train-gpus", "16", "--infer-gpus", "8", "--replica-gpus", "8", "--layers", "2"]
+    out = runner.invoke(main, ["sim", "rl", "--staging-mib", "64", *small])
+    assert out.exit_code == 0, out.output
+    assert "step:" in out.output
+    out = runner.invoke(main, ["sim", "rl", "--infer-gpus", "100", "--layers", "2"])
+    assert out.exit_code != 0 and "multiple" in out.output
     out = runner.invoke(main, ["sim", "moe", "--ep", "3", "--experts", "8"])
     assert out.exit_code != 0 and "divisible" in out.output
