@@ -229,5 +229,10 @@ def test_the_cli_prints_and_writes_a_prediction(tmp_path: Path) -> None:
     assert "step:" in out.output
     out = runner.invoke(main, ["sim", "rl", "--infer-gpus", "100", "--layers", "2"])
     assert out.exit_code != 0 and "multiple" in out.output
+    out = runner.invoke(
+        main, ["sim", "moe", "--nodes", "1", "--tokens", "4", "--hidden", "16", "--experts", "16"]
+    )
+    assert out.exit_code == 0, out.output
+    assert "8 ranks on 1 nodes" in out.output
     out = runner.invoke(main, ["sim", "moe", "--ep", "3", "--experts", "8"])
     assert out.exit_code != 0 and "divisible" in out.output

@@ -92,6 +92,9 @@ def sim() -> None:
 @sim.command("moe")
 @_common
 @click.option("--ep", type=click.IntRange(min=2), default=8, show_default=True, help="Expert-parallel ranks.")
+@click.option(
+    "--nodes", type=click.IntRange(min=1), help="Whole nodes instead of --ep (EP = nodes x GPUs per node)."
+)
 @click.option("--tokens", type=click.IntRange(min=1), default=128, show_default=True, help="Tokens per rank.")
 @click.option("--hidden", type=click.IntRange(min=1), default=7168, show_default=True)
 @click.option("--top-k", type=click.IntRange(min=1), default=8, show_default=True)
@@ -103,6 +106,7 @@ def moe(
     json_path: Path | None,
     plot_path: Path | None,
     ep: int,
+    nodes: int | None,
     tokens: int,
     hidden: int,
     top_k: int,
@@ -113,6 +117,10 @@ def moe(
     predict = _predict()
     from fabric_core.errors import FabricError
 
+    if nodes is not None:
+        from fabric_sim.cluster import cluster_preset
+
+        ep = nodes * cluster_preset(cluster).gpus_per_node
     try:
         pred = predict.predict_moe(
             cluster,
