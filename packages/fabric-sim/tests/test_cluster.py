@@ -224,6 +224,7 @@ def test_the_summary_names_the_busiest_link_and_each_tags_span() -> None:
     assert out["tags"]["fan-in"]["end_s"] == pytest.approx(3 * n / _bps(400) + spec.nic_latency_s, abs=EXACT)
     assert out["tags"]["later"]["start_s"] == 1e-3
     assert out["last"]["tag"] == "later"
+    assert out["posting"][0] == {"port": "tx/0/0/0", "work_requests": 2, "busy_s": 0.0}
     assert FlowModel(spec, nodes=1).summary()["work_requests"] == 0
 
 

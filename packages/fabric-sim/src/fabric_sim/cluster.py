@@ -424,15 +424,26 @@ class FlowModel:
 
     def summary(self) -> dict[str, Any]:
         """Where the time went, after ``run()``: the busiest links (bytes over capacity, the
-        least time they need), each tag's span, and the work request that finished last."""
+        least time they need), the busiest posting ports (work requests times the per-request
+        cost), each tag's span, and the work request that finished last."""
         wrs = self._wrs
         if not wrs:
-            return {"makespan_s": 0.0, "work_requests": 0, "bytes": 0, "links": [], "tags": {}, "last": None}
+            return {
+                "makespan_s": 0.0,
+                "work_requests": 0,
+                "bytes": 0,
+                "links": [],
+                "posting": [],
+                "tags": {},
+                "last": None,
+            }
         carried: dict[Resource, int] = {}
+        posted: dict[Resource, int] = {}
         tags: dict[str, list[float]] = {}
         for wr in wrs:
             for r in wr.resources:
                 carried[r] = carried.get(r, 0) + wr.nbytes
+            posted[wr.resources[0]] = posted.get(wr.resources[0], 0) + 1
             span = tags.setdefault(wr.tag, [math.inf, 0.0, 0, 0])
             span[0] = min(span[0], wr.ready_s)
             span[1] = max(span[1], wr.done_s)
@@ -451,6 +462,18 @@ class FlowModel:
             ),
             key=lambda d: -float(cast(float, d["busy_s"])),
         )
+        spec = self.spec
+        posting = sorted(
+            (
+                {
+                    "port": "/".join(map(str, r)),
+                    "work_requests": n,
+                    "busy_s": n * (spec.per_wr_s if r[0] == "tx" else spec.nvlink_per_wr_s),
+                }
+                for r, n in posted.items()
+            ),
+            key=lambda d: (-float(cast(float, d["busy_s"])), -int(cast(int, d["work_requests"]))),
+        )
         final = max(wrs, key=lambda w: w.done_s)
         return {
             "makespan_s": makespan,
@@ -458,6 +481,7 @@ class FlowModel:
             "bytes": sum(w.nbytes for w in wrs),
             "recomputes": self.recomputes,
             "links": links,
+            "posting": posting,
             "tags": {
                 k: {"start_s": v[0], "end_s": v[1], "work_requests": int(v[2]), "bytes": int(v[3])}
                 for k, v in tags.items()

@@ -162,6 +162,7 @@ def time_phase(
         done[dst] = max(done[dst], wr.done_s)
     summary = model.summary()
     summary["links"] = summary["links"][:8]
+    summary["posting"] = summary["posting"][:8]
     summary["local_work_requests"], summary["local_bytes"] = local
     return PhaseTiming(name, model.makespan, done, len(wrs), sum(w.nbytes for _, w in wrs), summary)
 
@@ -650,6 +651,12 @@ def report(pred: Prediction) -> str:
             lines.append(
                 f"    last to land: {last['nbytes']} B from node/gpu/nic {'/'.join(map(str, last['src']))} "
                 f"to {'/'.join(map(str, last['dst']))}, posted at {_fmt_us(last['posted_s'])}"
+            )
+        post = ph.summary["posting"][:1]
+        if post and post[0]["busy_s"] > 0:
+            lines.append(
+                f"    busiest poster: {post[0]['port']}: {post[0]['work_requests']} work requests, "
+                f"{_fmt_us(post[0]['busy_s'])} of per-request cost"
             )
         busiest = ph.summary["links"][:3]
         for link in busiest:
