@@ -93,6 +93,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     shown = [r for r in rows if r.get("reported")]
+    if not shown:
+        return  # nothing published to set these against
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(shown) + 1.2))
     labels = [f"{r['figure']} ({r['cluster']})" for r in shown]
     ratios = [r["ratio"] for r in shown]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -63,12 +64,13 @@ def _emit(pred: Any, json_path: Path | None, plot_path: Path | None) -> None:
         click.echo(f"wrote {plot_path}")
 
 
-def _common(fn: Any) -> Any:
+def _common(fn: Any, *, seeded: bool = True) -> Any:
     fn = click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="Write a plot (PNG).")(fn)
     fn = click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the prediction.")(
         fn
     )
-    fn = click.option("--seed", type=int, default=0, show_default=True, help="Seed of the simulator.")(fn)
+    if seeded:
+        fn = click.option("--seed", type=int, default=0, show_default=True, help="Seed of the routing.")(fn)
     return click.option(
         "--cluster",
         type=click.Choice(_PRESETS),
@@ -217,12 +219,10 @@ def kv(
 
 
 @sim.command("peak")
-@_common
+@functools.partial(_common, seeded=False)
 @click.option(
     "--mib", type=click.IntRange(min=1), default=1024, show_default=True, help="Bytes written (MiB)."
 )
-def peak(cluster: str, seed: int, json_path: Path | None, plot_path: Path | None, mib: int) -> None:
+def peak(cluster: str, json_path: Path | None, plot_path: Path | None, mib: int) -> None:
     """One GPU's aggregate write bandwidth to another node, over all its NICs."""
-    predict = _predict()
-    del seed  # one transfer: nothing to seed
-    _emit(predict.predict_peak(cluster, nbytes=mib << 20), json_path, plot_path)
+    _emit(_predict().predict_peak(cluster, nbytes=mib << 20), json_path, plot_path)
