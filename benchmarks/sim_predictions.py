@@ -86,7 +86,7 @@ def run(only: str | None, out: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
+def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -94,7 +94,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     shown = [r for r in rows if r.get("reported")]
     if not shown:
-        return  # nothing published to set these against
+        return False  # nothing published to set these against
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(shown) + 1.2))
     labels = [f"{r['figure']} ({r['cluster']})" for r in shown]
     ratios = [r["ratio"] for r in shown]
@@ -110,6 +110,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 def main() -> None:
@@ -121,8 +122,9 @@ def main() -> None:
     rows = run(args.only, args.out)
     name = "predictions" if args.only is None else f"predictions-{args.only}"
     (args.out / f"{name}.json").write_text(json.dumps(rows, indent=1) + "\n")
-    plot(rows, args.out / f"{name}.png")
-    sys.stdout.write(f"wrote {args.out / name}.json and .png in {time.monotonic() - t0:.0f} s\n")
+    plotted = plot(rows, args.out / f"{name}.png")
+    also = " and .png" if plotted else ""
+    sys.stdout.write(f"wrote {args.out / name}.json{also} in {time.monotonic() - t0:.0f} s\n")
 
 
 if __name__ == "__main__":
