@@ -125,7 +125,15 @@ def pieces(nbytes: int, max_msg: int) -> int:
     return max(1, -(-nbytes // max_msg))
 
 
-def expected_imms(config: MoeConfig, inputs: Inputs, max_msg: int) -> list[int]:
+def sharded_pieces(nbytes: int, nics: int, max_msg: int) -> int:
+    """Work requests one ``Sharded`` write of ``nbytes`` becomes over ``nics`` NICs (written
+    out by hand: shards of ceil(nbytes / nics) rounded up to 4 KiB, each cut at max_msg)."""
+    per_nic = (nbytes + nics - 1) // nics
+    size = (per_nic + 4095) // 4096 * 4096
+    return sum(pieces(min(size, nbytes - off), max_msg) for off in range(0, nbytes, size))
+
+
+def expected_imms(config: MoeConfig, inputs: Inputs, max_msg: int, nics: int) -> list[int]:
     """Imms each rank counts in one step, from the routing alone."""
     w, k = config.world_size, config.top_k
     owner = config.rank_table()
@@ -135,7 +143,8 @@ def expected_imms(config: MoeConfig, inputs: Inputs, max_msg: int) -> list[int]:
         for q in range(w):
             on_q = ((idx >= 0) & (owner[idx.clamp(min=0)] == q)).reshape(-1, k)
             n_tokens, n_pairs = int(on_q.any(1).sum()), int(on_q.sum())
-            total[q] += n_tokens * pieces(config.record_bytes, max_msg)  # tokens r -> q
+            if n_tokens:  # tokens r -> q: packed, one sharded write
+                total[q] += sharded_pieces(n_tokens * config.record_bytes, nics, max_msg)
             total[r] += n_pairs * pieces(config.token_bytes, max_msg) if n_pairs else 1  # q -> r
     return total
 
@@ -167,6 +176,7 @@ class MoeWorld:
 
     def __init__(self, seed: int, world_size: int, *, nics: int = 2, chunk_bytes: int = 64, **engine: Any):
         self.fabric = SimFabric(seed, chunk_bytes=chunk_bytes)
+        self.nics = nics
         self.engines: list[SimEngine] = [self.fabric.open_engine(nics, **engine) for _ in range(world_size)]
         self.apps: list[MoeAllToAll] = []
 

@@ -63,7 +63,7 @@ def _run_and_check(world: MoeWorld, moes: list[MoeAllToAll], config: MoeConfig, 
         assert_same_dispatch(res, want_dispatch[r], r)
         assert_same_output(out, want_out[r], r)
     got = [a - b for a, b in zip(world.received(), imms_before, strict=True)]
-    assert got == expected_imms(config, inputs, world.max_msg_size)
+    assert got == expected_imms(config, inputs, world.max_msg_size, world.nics)
     wrote = [a - b for a, b in zip(world.written(), bytes_before, strict=True)]
     assert wrote == expected_bytes(config, inputs, want_dispatch)
     for e in world.engines:  # waits consumed exactly what arrived: nothing left on any counter
@@ -180,7 +180,9 @@ def test_two_layers_interleaved_over_steps_do_not_collide() -> None:
                     assert_same_output(results[r][j][1], want_o[r], r)
             want = [
                 x + y
-                for x, y in zip(*(expected_imms(config, i, world.max_msg_size) for i in ins), strict=True)
+                for x, y in zip(
+                    *(expected_imms(config, i, world.max_msg_size, world.nics) for i in ins), strict=True
+                )
             ]
             assert [x - y for x, y in zip(world.received(), imms_before, strict=True)] == want
             for e in world.engines:

@@ -4,7 +4,8 @@ One instance per rank per buffer set. Each step is four calls, in order:
 
 1. ``dispatch_send(x, topk_idx, topk_weights)``: write this rank's token counts to every rank
    (one scatter through the peer group, one imm per destination), then each token once to
-   every rank that owns at least one of its experts (one paged write per destination);
+   every rank that owns at least one of its experts (packed per destination: one write per
+   destination, sharded over the NICs);
 2. ``dispatch_recv(timeout)``: wait, per source rank, for its count and then for exactly the
    work requests its payload write carries; return the tokens grouped by local expert;
 3. ``combine_send(expert_outputs)``: write each output row back to its token's origin, at
@@ -51,6 +52,7 @@ from fabric_core.ops import (
     ScatterTarget,
     Sharded,
     ShardPeers,
+    WriteRequest,
     plan_request,
 )
 from fabric_core.rendezvous import Rendezvous
@@ -158,13 +160,16 @@ class MoeAllToAll:
         # the large buffers are sized for the worst case and never read before written: left
         # uninitialised, the host pages nobody touches are never backed (EP64 at H=7168 holds
         # ~0.6 GB of buffers per rank, of which a decode step touches a few percent)
-        self._send_tokens = torch.empty(t, rec, dtype=torch.uint8, device=dev)
+        # records are assembled once per token, then packed per destination rank (slot
+        # [q][i] holds the i-th token for rank q) so each destination takes one write
+        self._send_records = torch.empty(t, rec, dtype=torch.uint8, device=dev)
+        self._send_tokens = torch.empty(w * t, rec, dtype=torch.uint8, device=dev)
         self._recv_tokens = torch.empty(w * t, rec, dtype=torch.uint8, device=dev)
         self._send_combine = torch.empty(max(1, c.max_pairs), h, dtype=c.dtype, device=dev)
         self._recv_combine = torch.empty(t, k, h, dtype=c.dtype, device=dev)
         # record views: int32 header (source token, K expert ids), then the hidden state
-        self._send_meta = self._send_tokens[:, :meta].view(torch.int32)
-        self._send_hidden = self._send_tokens[:, meta : meta + c.token_bytes].view(c.dtype)
+        self._send_meta = self._send_records[:, :meta].view(torch.int32)
+        self._send_hidden = self._send_records[:, meta : meta + c.token_bytes].view(c.dtype)
         self._recv_meta = self._recv_tokens[:, :meta].view(torch.int32)
         self._recv_hidden = self._recv_tokens[:, meta : meta + c.token_bytes].view(c.dtype)
         reg = self._register
@@ -281,19 +286,20 @@ class MoeAllToAll:
         return plan_request(request, sender.num_nics, sender.max_msg_size).imms_per_target[target]
 
     def _payload_imms(self, phase: Phase, source: int, pages: int) -> int:
-        """Imms of source's paged write of ``pages`` records (dispatch) or rows (combine)."""
+        """Imms of source's write of ``pages`` packed records (dispatch) or paged write of
+        ``pages`` rows (combine)."""
         key = (int(phase), source, pages)
         hit = self._imm_cache.get(key)
         if hit is not None:
             return hit
         c, ep = self.config, self._peers[source]
         imm = moe_imm(self.layer, 0, phase, source)
-        request: PagedWriteRequest | ImmRequest
+        request: WriteRequest | PagedWriteRequest | ImmRequest
         if phase == Phase.DISPATCH:
             rec = c.record_bytes
-            request = PagedWriteRequest(
-                self._send_tokens_mr, _pages(pages), rec, self._recv_tokens_mr.descriptor, _pages(pages),
-                rec, rec, 0, source * c.max_tokens * rec, imm, Sharded(),
+            request = WriteRequest(
+                self._send_tokens_mr, 0, pages * rec, self._recv_tokens_mr.descriptor,
+                source * c.max_tokens * rec, imm, Sharded(),
             )  # fmt: skip
         elif pages:
             tb = c.token_bytes
@@ -480,22 +486,30 @@ class MoeAllToAll:
                     group=self._group,
                 )
             )
+            # pack: destination q's tokens, ascending, at slots [q * T_max, q * T_max + n_q)
+            # (on a GPU, the packing kernel's job); then one write per destination
+            tmax = c.max_tokens
+            pairs = mask.t().nonzero()  # (q, token), q-major
+            if pairs.numel():
+                q_of, tok = pairs[:, 0], pairs[:, 1]
+                first = torch.cumsum(per_rank, 0) - per_rank
+                slot = q_of * tmax + torch.arange(q_of.numel(), dtype=torch.int64) - first[q_of]
+                dev = self._send_tokens.device
+                self._send_tokens.index_copy_(
+                    0, slot.to(dev), self._send_records.index_select(0, tok.to(dev))
+                )
             imm = moe_imm(self.layer, self._step, Phase.DISPATCH, me)
             for q, p in enumerate(self._peers):
                 n = int(per_rank[q])
                 if n == 0:
                     continue
-                tokens = mask[:, q].nonzero().flatten().numpy()
                 xfers.append(
-                    eng.submit_paged_write(
+                    eng.submit_write(
                         self._send_tokens_mr,
-                        tokens,
-                        rec,
+                        q * tmax * rec,
+                        n * rec,
                         p.tokens,
-                        _pages(n),
-                        rec,
-                        rec,
-                        dst_offset=me * c.max_tokens * rec,
+                        me * tmax * rec,
                         imm=imm,
                         routing=Sharded(),
                     )

@@ -158,7 +158,7 @@ class MoeConfig:
         return {
             "send_counts": w * 16,
             "recv_counts": w * 16,
-            "send_tokens": t * self.record_bytes,
+            "send_tokens": w * t * self.record_bytes,
             "recv_tokens": w * t * self.record_bytes,
             "send_combine": max(1, self.max_pairs) * self.token_bytes,
             "recv_combine": t * k * self.token_bytes,
