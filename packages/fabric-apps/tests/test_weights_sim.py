@@ -233,6 +233,37 @@ def test_staging_stays_under_the_watermark(rigs: list[Rig]) -> None:
         assert rig.senders[s].staging is not None and rig.senders[s].staging.in_use == 0
 
 
+def test_a_sender_interleaves_its_staged_writes_across_destinations() -> None:
+    """Staged chunks go out round-robin over the destinations (each destination's k-th chunk
+    before any (k+1)-th), so the writes in flight spread over all of them: sending one
+    destination after another made senders that share destinations queue on the same one
+    (`fabric sim rl` predicted 8.7 s instead of 1.35 s for Kimi-K2 at 256 -> 128 GPUs)."""
+    src = FleetSpec(1, (ParamSpec("w", (96, 1024), "bfloat16", tp_row()),))
+    dst = FleetSpec(3, (ParamSpec("w", (96, 1024), "float8_e4m3fn", tp_row()),))
+    plan = make_plan(src, dst, PlanOptions(num_nics=1, staging_bytes=1 << 16, stage_chunk_bytes=8192))
+    fabric = SimFabric(0, record=True)
+    engines = [fabric.open_engine(1) for _ in range(4)]
+    try:
+        receivers = [
+            WeightsReceiver(e, plan, d, torch.zeros(dst.layout(d).nbytes, dtype=torch.uint8), timeout=T)
+            for d, e in enumerate(engines[1:])
+        ]
+        buffer = torch.zeros(src.layout(0).nbytes, dtype=torch.uint8)
+        sender = WeightsSender(engines[0], plan, 0, buffer, [r.descriptor for r in receivers], timeout=T)
+        sender.send_step(0)
+        for r in receivers:
+            r.wait_step(0, timeout=T)
+        rank = {e.engine_id: d for d, e in enumerate(engines[1:])}
+        order = [rank[p.dst] for p in fabric.recorded or () if p.src == engines[0].engine_id]
+        assert order == [0, 1, 2] * 4  # 32 rows of 1024 fp8 per destination, 8 KiB chunks
+        sender.close()
+        for r in receivers:
+            r.close()
+    finally:
+        for e in engines:
+            e.close()
+
+
 def test_staging_slots_stay_aligned_for_odd_sized_chunks(rigs: list[Rig]) -> None:
     """Found by the property test below: a 6-byte bf16 chunk must not leave the next slot at
     an offset a float32 view cannot start at."""
