@@ -66,8 +66,12 @@ def test_loading_libfabric_keeps_pythons_ctrl_c_and_crash_handlers() -> None:
     """Debian's libfabric pulls in PSM libraries whose constructors take over SIGINT (and the
     fatal signals) with a handler that exits with status 1: Ctrl-C must stay KeyboardInterrupt
     after importing the backend and opening an engine."""
+    # Python's Ctrl-C handler, installed before loading whatever SIGINT disposition the test
+    # runner was started with (a background job inherits SIGINT ignored, and Python then
+    # installs no handler of its own)
     code = (
         "import faulthandler, os, signal, sys\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "faulthandler.enable()\n"
         "from fabric_core import registry\n"
         "registry.open_engine('efa', efa_provider='shm').close()\n"

@@ -154,14 +154,16 @@ def test_ctrl_c_in_a_wait_raises_consumes_nothing_and_lets_the_next_waiter_run()
     behind: list[str] = []
 
     def queue_behind_then_interrupt() -> None:
-        # only once wait(2) is queued: a SIGINT that lands before, while the main thread runs
-        # Python code, may be taken inside a finalizer there and lost (CI saw this hang once)
+        # only once wait(2) is queued, so the interrupt lands in the wait itself
         deadline = time.monotonic() + 10.0
         while not table.pending() and time.monotonic() < deadline:
             time.sleep(0.005)
         table.counter(9, 5.0).expect(1, lambda: behind.append("ran"))  # queued behind wait(2)
         os.kill(os.getpid(), signal.SIGINT)
 
+    # Python's Ctrl-C handler, whatever the runner was started with: a background job
+    # inherits SIGINT ignored, and the wait then never sees the interrupt
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     interrupter = _soon(queue_behind_then_interrupt, 0.05)
     # a lost interrupt must fail the test, not hang it: after 15 s, satisfy the wait
     watchdog = _soon(lambda: table.add(9, 5), 15.0)
@@ -171,6 +173,7 @@ def test_ctrl_c_in_a_wait_raises_consumes_nothing_and_lets_the_next_waiter_run()
     finally:
         watchdog.cancel()
         interrupter.join(10.0)
+        signal.signal(signal.SIGINT, previous)
     assert behind == ["ran"] and table.value(9) == 0
 
 
