@@ -238,6 +238,23 @@ def ceiling(session: nox.Session) -> None:
             )
 
 
+@nox.session(venv_params=["--system-site-packages"])
+def gpu(session: nox.Session) -> None:
+    """On a machine with a CUDA GPU: the GPU tests (tests/gpu), then the one-GPU benchmark
+    (benchmarks/gpu_bench.py → bench-results/gpu.json and .png). torch comes from the
+    machine's own site-packages (its CUDA build: the pinned CPU build of CI would not do)."""
+    _system_packages(session, "libfabric-dev", "g++", "cmake", "pkg-config")
+    session.install(*[a for pkg in PACKAGES for a in ("-e", pkg)], "pytest", "hypothesis", "matplotlib")
+    session.install("pybind11", "scikit-build-core")
+    session.install("--no-build-isolation", "./packages/fabric-efa")
+    session.run("pytest", "tests/gpu", "-v", "-rs", *session.posargs, env={"FI_TCP_IFACE": "lo"})
+    out = ROOT / "bench-results"
+    out.mkdir(exist_ok=True)
+    session.run(
+        "python", "benchmarks/gpu_bench.py", "--out", str(out / "gpu.json"), "--plot", str(out / "gpu.png")
+    )
+
+
 @nox.session(name="efa-bench")
 def efa_bench(session: nox.Session) -> None:
     """fabric-efa against the raw-libfabric ceiling, alternating, 3 repetitions per provider;

@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include <fabric/cuda.hpp>
 #include <fabric/engine.hpp>
 
 namespace fabric::efa {
@@ -127,7 +128,17 @@ class LibfabricDomain {
         // FI_SOURCE where the provider has it: an imm's source, for exact counts across a
         // lost NIC (fabric/engine.hpp, "NIC loss").
         hints->caps |= FI_SOURCE;
+        // FI_HMEM where the provider has it: CUDA memory registered as such (FI_HMEM_CUDA),
+        // which the provider moves itself (shm: CUDA IPC between the processes of a host).
+        // Each wish is dropped in turn where the provider refuses it.
+        hints->caps |= FI_HMEM;
+        hints->domain_attr->mr_mode |= FI_MR_HMEM;
         int rc = getinfo(hints, &info_, source);
+        if (rc != 0) {
+            hints->caps &= ~FI_HMEM;
+            hints->domain_attr->mr_mode &= ~FI_MR_HMEM;
+            rc = getinfo(hints, &info_, source);
+        }
         if (rc != 0) {
             hints->caps &= ~FI_SOURCE;
             rc = getinfo(hints, &info_, source);
@@ -259,8 +270,24 @@ class LibfabricDomain {
                             void*& desc) {
         fid_mr* mr = nullptr;
         uint64_t access = FI_WRITE | FI_SEND | FI_RECV | (remote_write ? FI_REMOTE_WRITE : 0);
-        int rc = fi_mr_reg(domain_, ptr, len, access, 0, requested_key, 0, &mr, nullptr);
-        if (rc != 0) throw LibfabricError("fi_mr_reg", rc);
+        int device = (info_->caps & FI_HMEM) ? cuda::device_ordinal(ptr) : -1;
+        if (device >= 0) {
+            // CUDA memory: the provider must know it is device memory (it cannot touch it
+            // with the CPU); fabric_core checked at registration that it is one allocation.
+            iovec iov{ptr, len};
+            fi_mr_attr attr{};
+            attr.mr_iov = &iov;
+            attr.iov_count = 1;
+            attr.access = access;
+            attr.requested_key = requested_key;
+            attr.iface = FI_HMEM_CUDA;
+            attr.device.cuda = device;
+            int rc = fi_mr_regattr(domain_, &attr, 0, &mr);
+            if (rc != 0) throw LibfabricError("fi_mr_regattr(FI_HMEM_CUDA, cuda:" + std::to_string(device) + ")", rc);
+        } else {
+            int rc = fi_mr_reg(domain_, ptr, len, access, 0, requested_key, 0, &mr, nullptr);
+            if (rc != 0) throw LibfabricError("fi_mr_reg", rc);
+        }
         key = fi_mr_key(mr);
         desc = fi_mr_desc(mr);
         return mr;

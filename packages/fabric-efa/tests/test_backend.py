@@ -142,3 +142,58 @@ def test_an_shm_name_held_by_a_stale_segment_still_opens() -> None:
         assert b"fabric-" in done.stdout.encode(), done.stdout
     finally:
         live.close()
+
+
+# --- CUDA memory: whether the provider takes it is found out at open ------------------------
+class _Core:
+    def __init__(self, fails: bool) -> None:
+        self.fails, self.calls = fails, []
+
+    def register_memory(self, ptr: int, length: int, writable: bool) -> tuple[int, list[int]]:
+        self.calls.append(("register", ptr, length, writable))
+        if self.fails:
+            raise RuntimeError("fi_mr_regattr(FI_HMEM_CUDA, cuda:0): Function not implemented")
+        return 7, [1]
+
+    def deregister(self, handle: int) -> None:
+        self.calls.append(("deregister", handle))
+
+
+def test_cuda_memory_is_claimed_only_where_a_device_registration_works(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import contextlib
+
+    from fabric_core import cuda
+    from fabric_efa import engine
+
+    assert engine._probe_cuda(_Core(False), False) == (False, "the provider has no FI_HMEM")
+    if not cuda.available():
+        ok, why = engine._probe_cuda(_Core(False), True)
+        assert not ok and "CUDA" in why
+    monkeypatch.setattr(cuda, "available", lambda: True)
+    monkeypatch.setattr(cuda, "device_buffer", lambda n: contextlib.nullcontext(0xD000))
+    core = _Core(True)
+    ok, why = engine._probe_cuda(core, True)
+    assert (
+        not ok
+        and why.startswith("this libfabric cannot register CUDA memory")
+        and "Function not implemented" in why
+    )
+    core = _Core(False)
+    assert engine._probe_cuda(core, True) == (True, "")
+    assert core.calls == [("register", 0xD000, 4096, True), ("deregister", 7)]
+
+
+@pytest.mark.parametrize("provider", ["shm", "tcp;ofi_rxm"])
+def test_fabric_info_says_why_an_engine_carries_no_cuda_memory(provider: str) -> None:
+    from fabric_core import cuda
+
+    e = registry.open_engine("efa", efa_provider=provider)
+    try:
+        verdict = str(e.domains[0].details["cuda_memory"])
+        assert verdict == "yes" if e.capabilities.cuda_memory else verdict.startswith("no: ")
+        if not cuda.available():
+            assert not e.capabilities.cuda_memory
+    finally:
+        e.close()

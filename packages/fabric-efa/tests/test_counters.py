@@ -16,13 +16,14 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fabric_core import open_engine
 from fabric_core.counters import CounterTable, Expectation, NativeCounterTable
-from fabric_core.errors import EngineClosed, PeerUnreachable, TransferTimeout
+from fabric_core.errors import ConfigError, EngineClosed, PeerUnreachable, TransferTimeout
 from fabric_core.models import DomainAddress
 from fabric_efa import _efa
 
@@ -40,6 +41,16 @@ _op = st.one_of(
     st.tuples(st.just("cancel"), st.integers(0, 30)),
     st.tuples(st.just("fail_peer"), st.integers(0, 1)),
     st.tuples(st.just("revive_peer"), st.integers(0, 1)),
+    # GPU-side waits' mirrors (fabric_core.device_counter): words of host memory here
+    st.tuples(
+        st.just("attach"),
+        st.sampled_from(IMMS),
+        st.sampled_from([None, 0, 1]),
+        st.sampled_from([0, 2**32 - 3]),
+    ),
+    st.tuples(st.just("reserve"), st.sampled_from(IMMS), st.integers(0, 4)),
+    st.tuples(st.just("detach"), st.sampled_from(IMMS)),
+    st.tuples(st.just("refund"), st.sampled_from(IMMS), st.integers(1, 3)),
 )
 
 
@@ -48,6 +59,7 @@ def _run(table: CounterTable, ops: list[tuple[Any, ...]]) -> list[Any]:
     log: list[Any] = []
     handles: list[Expectation] = []
     fired: list[tuple[int, str]] = []
+    words = np.zeros(len(IMMS), dtype=np.uint32)  # one mirror word per imm (reused after detach)
     for op in ops:
         kind = op[0]
         fired.clear()
@@ -71,13 +83,44 @@ def _run(table: CounterTable, ops: list[tuple[Any, ...]]) -> list[Any]:
         elif kind == "cancel":
             if handles:
                 outcome = handles[op[1] % len(handles)].cancel()
+        elif kind == "attach":
+            _, imm, peer, start = op
+            w = IMMS.index(imm)
+            if not table.mirror_state(imm)[1] and words[w] == 0:
+                words[w] = start
+            try:
+                table.attach_mirror(
+                    imm, int(words.ctypes.data) + 4 * w, None if peer is None else PEERS[peer].raw
+                )
+            except (ConfigError, PeerUnreachable) as exc:
+                outcome = type(exc).__name__
+        elif kind == "reserve":
+            try:
+                outcome = table.reserve(op[1], op[2])
+            except (ConfigError, PeerUnreachable, EngineClosed) as exc:
+                outcome = type(exc).__name__
+        elif kind == "detach":
+            outcome = table.fail_mirror(op[1], EngineClosed("detached"), detach=True)
+        elif kind == "refund":
+            table._refund(op[1], op[2])
         elif kind == "fail_peer":
             peer = PEERS[op[1]].raw
             table.fail_peer(peer, PeerUnreachable("gone", peer=peer.hex()))
         else:
             table.revive_peer(PEERS[op[1]].raw)
-        log.append((kind, outcome, sorted(fired), table.snapshot(), [table.value(i) for i in IMMS]))
-    log.append(("received", table.imms_received))
+        log.append(
+            (
+                kind,
+                outcome,
+                sorted(fired),
+                table.snapshot(),
+                [table.value(i) for i in IMMS],
+                words.tolist(),
+                [table.mirror_state(i) for i in IMMS],
+            )
+        )
+    table.fail_all(EngineClosed("closing"))
+    log.append(("received", table.imms_received, words.tolist()))
     return log
 
 

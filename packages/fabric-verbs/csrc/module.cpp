@@ -413,7 +413,7 @@ PYBIND11_MODULE(_verbs, m) {
         py::arg("devices"), py::arg("port"));
     m.def("list_devices", &devices_list);
     m.def("select_port", &select_port, py::arg("device"), py::arg("port"), py::arg("gid_index"));
-    m.def("cuda_driver", [] { return cuda::Driver::get().present(); });
+    m.def("cuda_driver", [] { return fabric::cuda::Driver::get().present(); });
     m.def("max_wr_bytes", &max_wr_bytes, py::arg("port_max_msg_sz"), py::arg("cap"));
 
     m.def(

@@ -54,7 +54,7 @@
 #include <fabric/engine.hpp>
 
 #include "address.hpp"
-#include "cuda.hpp"
+#include "fabric/cuda.hpp"
 #include "devices.hpp"
 #include "handshake.hpp"
 #include "wr_chain.hpp"

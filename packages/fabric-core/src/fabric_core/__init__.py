@@ -6,6 +6,7 @@ import logging
 
 from .api import API_VERSION, Backend, EngineStats, ProbeResult, TransferEngine
 from .counters import Expectation, ImmCounter
+from .device_counter import DeviceCounter
 from .errors import (
     BackendNotInstalled,
     BackendUnavailable,
@@ -75,6 +76,7 @@ __all__ = [
     "CapabilityError",
     "ConfigError",
     "Device",
+    "DeviceCounter",
     "DomainAddress",
     "DomainInfo",
     "EngineClosed",

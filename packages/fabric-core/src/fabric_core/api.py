@@ -10,6 +10,7 @@ from types import TracebackType
 from typing import Any, ClassVar
 
 from .counters import ImmCounter
+from .device_counter import DeviceCounter
 from .memory import RawMemory
 from .models import (
     Capabilities,
@@ -267,6 +268,13 @@ class TransferEngine(ABC):
     @abstractmethod
     def counter(self, imm: int) -> ImmCounter:
         """The counter of ``imm`` at this engine (counting since engine start)."""
+
+    @abstractmethod
+    def device_counter(self, imm: int, *, peer: DomainAddress | None = None) -> DeviceCounter:
+        """A GPU-side view of ``imm``'s counter: CUDA streams wait for its arrivals with no
+        host round trip (see ``fabric_core.device_counter``). ``peer``: the peer the imms come
+        from; its loss releases the GPU waits and fails the counter. One per imm per engine;
+        ``CapabilityError`` without a CUDA driver and GPU."""
 
     # --- two-sided control messages -----------------------------------------------
     @abstractmethod

@@ -15,11 +15,12 @@ from abc import abstractmethod
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from . import diagnostics
+from . import cuda, diagnostics
 from .api import EngineStats, TransferEngine
-from .counters import CounterTable, ImmCounter, check_wait_timeout
+from .counters import CounterTable, ImmCounter, check_imm, check_wait_timeout
+from .device_counter import DeviceCounter
 from .errors import (
     CapabilityError,
     ConfigError,
@@ -54,6 +55,10 @@ class Registration:
 class EngineBase(TransferEngine):
     """Shared engine logic; subclasses implement the ``_backend_*`` hooks."""
 
+    _cuda_one_allocation: ClassVar[bool] = True
+    """The backend registers CUDA memory by its allocation (CUDA IPC handles, DMA-BUFs): a
+    span across several (PyTorch's ``expandable_segments``) is refused at registration."""
+
     def __init__(
         self,
         settings: FabricSettings,
@@ -72,6 +77,7 @@ class EngineBase(TransferEngine):
         self._lock = threading.Lock()
         self._closed = False
         self._regs: dict[int, Registration] = {}
+        self._device_counters: dict[int, DeviceCounter] = {}
         self._messages: deque[Message] = deque()
         self._msg_cv = threading.Condition()
         self._groups = itertools.count(1)
@@ -220,10 +226,16 @@ class EngineBase(TransferEngine):
     def register(self, memory: object, *, writable: bool | None = None) -> MemoryRegion:
         self._check_open()
         span = self._memory_span(memory)
-        if span.device.kind == "cuda" and not self._caps.cuda_memory:
-            raise CapabilityError(
-                f"the {self._caps.backend} backend carries host memory only here; "
-                f"{span.device} memory cannot be registered"
+        if span.device.kind == "cuda":
+            if not self._caps.cuda_memory:
+                raise CapabilityError(
+                    f"the {self._caps.backend} backend carries host memory only here; "
+                    f"{span.device} memory cannot be registered"
+                )
+            # the driver's word, now: device memory of the device named, and (where the
+            # backend needs it) one allocation, not expandable_segments' pieces
+            cuda.check_device_span(
+                span.ptr, span.length, span.device, one_allocation=self._cuda_one_allocation
             )
         if writable and not span.writable:
             raise ConfigError("a read-only buffer cannot be registered for remote writes")
@@ -315,6 +327,22 @@ class EngineBase(TransferEngine):
 
     def counter(self, imm: int) -> ImmCounter:
         return self._counters.counter(imm, self._timeout)
+
+    def device_counter(self, imm: int, *, peer: DomainAddress | None = None) -> DeviceCounter:
+        self._check_open()
+        imm = check_imm(imm)
+        if peer is not None and not isinstance(peer, DomainAddress):
+            raise ConfigError(f"peer must be a DomainAddress or None, got {type(peer).__name__}")
+        if not cuda.available():
+            raise CapabilityError(f"GPU-side waits need a CUDA GPU: {cuda.unavailable_reason()}")
+        with self._lock:
+            old = self._device_counters.get(imm)
+            if old is not None and not old.closed:
+                raise ConfigError(f"imm {imm} already has a device counter (close it first)")
+        dc = DeviceCounter(self._counters, imm, self._timeout, peer)
+        with self._lock:
+            self._device_counters[imm] = dc
+        return dc
 
     # --- two-sided -----------------------------------------------------------------
     def submit_send(
@@ -409,7 +437,9 @@ class EngineBase(TransferEngine):
                 return
             self._closed = True
         self._backend_stop(exc, drain, timeout)
-        self._counters.fail_all(exc)
+        self._counters.fail_all(exc)  # GPU waits are released too
+        for dc in list(self._device_counters.values()):
+            dc.close()
         for reg in list(self._regs.values()):
             self._drop(reg)
         with self._msg_cv:

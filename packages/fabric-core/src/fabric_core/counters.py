@@ -13,6 +13,7 @@ worker itself rather than through a Python thread.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import itertools
 import math
 import threading
@@ -65,10 +66,39 @@ class _Waiter:
     abandoned: bool = False  # NativeCounterTable: cancelled while its firing was under way
 
 
+_WORD = 0xFFFFFFFF
+
+
+@dataclass(eq=False)
+class _Mirror:
+    """A GPU-side wait's view of one imm: a 32-bit word of mapped host memory holding
+    ``base`` + arrivals (see ``CounterTable.attach_mirror``)."""
+
+    word: ctypes.c_uint32
+    base: int
+    peer: bytes | None
+    reserved: int = 0
+    error: BaseException | None = None
+
+    def publish(self, arrived: int) -> None:
+        # a failed mirror's word was set past every target: it never moves back from there
+        top = arrived if self.error is None else max(arrived, self.reserved)
+        self.word.value = (self.base + top) & _WORD
+
+    def release(self, arrived: int, exc: BaseException) -> bool:
+        if self.error is not None:
+            return False
+        self.error = exc
+        self.word.value = (self.base + max(arrived, self.reserved)) & _WORD
+        return True
+
+
 @dataclass
 class _Slot:
     count: int = 0
     waiters: deque[_Waiter] = field(default_factory=deque)
+    arrived: int = 0  # arrivals since engine start (refunds excluded)
+    mirror: _Mirror | None = None
 
 
 class Expectation:
@@ -106,14 +136,19 @@ class CounterTable:
         """Imms counted since engine start (consumed or not)."""
         return self._received
 
-    def add(self, imm: int, n: int = 1) -> None:
-        """Count ``n`` arrivals of ``imm`` and settle the waiters they satisfy."""
+    def add(self, imm: int, n: int = 1, *, received: bool = True) -> None:
+        """Count ``n`` arrivals of ``imm`` and settle the waiters they satisfy
+        (``received=False``: counts a withdrawn waiter gives back, not arrivals)."""
         fired: list[_Waiter] = []
         with self._lock:
-            self._received += n
             slot = self._slots.get(imm)
             if slot is None:
                 slot = self._slots[imm] = _Slot()
+            if received:
+                self._received += n
+                slot.arrived += n
+                if slot.mirror is not None:
+                    slot.mirror.publish(slot.arrived)
             slot.count += n
             while slot.waiters and slot.count >= slot.waiters[0].n:
                 w = slot.waiters.popleft()
@@ -182,9 +217,62 @@ class CounterTable:
 
     def _refund(self, imm: int, n: int) -> None:
         """Return consumed counts (a waiter was cancelled just as it fired)."""
-        self.add(imm, n)
+        self.add(imm, n, received=False)
+
+    # --- GPU-side waits ----------------------------------------------------------------
+    # A mirror publishes one imm's arrivals to a 32-bit word of host memory mapped into the
+    # GPUs (``fabric_core.device_counter``): base + arrivals since engine start, mod 2**32,
+    # written by whoever counts them. ``reserve`` hands out the targets of GPU waits (base +
+    # arrivals asked for so far): the device ledger is its own, host waiters' consumption
+    # does not touch it. A failed mirror stores the highest target handed out, so every GPU
+    # wait queued on it passes, and refuses further reserves with its error. The word only
+    # ever grows (``base`` starts from its value), so one word can serve mirror after mirror.
+    # fabric/counters.hpp keeps the same semantics in C++.
+    def attach_mirror(self, imm: int, word: int, peer: bytes | None) -> None:
+        """Publish ``imm``'s arrivals to the 32-bit word at address ``word``."""
         with self._lock:
-            self._received -= n
+            if peer is not None and peer in self._lost:
+                raise self._lost[peer]
+            slot = self._slots.get(imm)
+            if slot is None:
+                slot = self._slots[imm] = _Slot()
+            if slot.mirror is not None:
+                raise ConfigError(f"imm {imm} already has a device counter")
+            w = ctypes.c_uint32.from_address(word)
+            slot.mirror = _Mirror(w, (w.value - slot.arrived) & _WORD, peer)
+
+    def reserve(self, imm: int, n: int) -> int:
+        """The word's value once ``n`` more arrivals (beyond those reserved) are in."""
+        with self._lock:
+            slot = self._slots.get(imm)
+            m = slot.mirror if slot is not None else None
+            if m is None:
+                raise ConfigError(f"imm {imm} has no device counter")
+            if m.error is not None:
+                raise m.error
+            m.reserved += n
+            return (m.base + m.reserved) & _WORD
+
+    def fail_mirror(self, imm: int, exc: BaseException, *, detach: bool = False) -> bool:
+        """Fail ``imm``'s mirror with ``exc``, letting its GPU waits pass; False if it had
+        none or had failed already. ``detach``: the mirror goes, its word is free."""
+        with self._lock:
+            slot = self._slots.get(imm)
+            m = slot.mirror if slot is not None else None
+            if m is None or slot is None:
+                return False
+            fresh = m.release(slot.arrived, exc)
+            if detach:
+                slot.mirror = None
+            return fresh
+
+    def mirror_state(self, imm: int) -> tuple[int, int]:
+        """(arrivals of ``imm`` since engine start, arrivals reserved by GPU waits)."""
+        with self._lock:
+            slot = self._slots.get(imm)
+            if slot is None:
+                return 0, 0
+            return slot.arrived, slot.mirror.reserved if slot.mirror is not None else 0
 
     def fail_peer(self, peer: bytes, exc: BaseException) -> None:
         """Fail every waiter that named ``peer`` as the one it depends on, and every later
@@ -193,6 +281,8 @@ class CounterTable:
         with self._lock:
             self._lost[peer] = exc
             for slot in self._slots.values():
+                if slot.mirror is not None and slot.mirror.peer == peer:
+                    slot.mirror.release(slot.arrived, exc)
                 keep: deque[_Waiter] = deque()
                 for w in slot.waiters:
                     if w.peer == peer:
@@ -219,13 +309,18 @@ class CounterTable:
                     w.error = exc
                     failed.append(w)
                 slot.waiters.clear()
+                if slot.mirror is not None:
+                    slot.mirror.release(slot.arrived, exc)
         for w in failed:
             w.fire(exc)
 
     def names_peer(self, peer: bytes) -> bool:
         """Whether a queued waiter names ``peer`` (it depends on that peer's liveness)."""
         with self._lock:
-            return any(w.peer == peer for s in self._slots.values() for w in s.waiters)
+            return any(w.peer == peer for s in self._slots.values() for w in s.waiters) or any(
+                s.mirror is not None and s.mirror.error is None and s.mirror.peer == peer
+                for s in self._slots.values()
+            )
 
     def pending(self) -> list[dict[str, Any]]:
         """Every queued waiter, FIFO per imm: imm, counts received (unconsumed), counts
@@ -443,6 +538,9 @@ class NativeCounterTable(CounterTable):
         # queued token waiters and their imms (single dict operations are atomic)
         self._waiters: dict[int, tuple[_Waiter, int]] = {}
         self._failure: BaseException | None = None
+        # device counters' mirrors: the peer each names, and errors given them from Python
+        self._mirror_peers: dict[int, bytes | None] = {}
+        self._mirror_errors: dict[int, BaseException] = {}
         # the engine's: a wait named a lost peer, so probe it (an answer revives it)
         self.on_lost_wait: Callable[[bytes], None] | None = None
 
@@ -466,8 +564,8 @@ class NativeCounterTable(CounterTable):
             else:
                 w.fire(exc)
 
-    def add(self, imm: int, n: int = 1) -> None:
-        self.fire_tokens(self._native.add(imm, n, True))
+    def add(self, imm: int, n: int = 1, *, received: bool = True) -> None:
+        self.fire_tokens(self._native.add(imm, n, received))
 
     def value(self, imm: int) -> int:
         return self._native.value(imm)
@@ -509,6 +607,42 @@ class NativeCounterTable(CounterTable):
 
     def _refund(self, imm: int, n: int) -> None:
         self.fire_tokens(self._native.add(imm, n, False))
+
+    def attach_mirror(self, imm: int, word: int, peer: bytes | None) -> None:
+        code = self._native.attach_mirror(imm, word, peer or b"")
+        if code == _PEER_LOST:
+            raise self.lost_error(peer or b"")
+        if code != _OK:
+            raise ConfigError(f"imm {imm} already has a device counter")
+        self._mirror_peers[imm] = peer
+        self._mirror_errors.pop(imm, None)
+
+    def reserve(self, imm: int, n: int) -> int:
+        code, target = self._native.reserve(imm, n)
+        if code == _OK:
+            return target
+        if imm not in self._mirror_peers:
+            raise ConfigError(f"imm {imm} has no device counter")
+        raise self._mirror_error(imm, code)
+
+    def _mirror_error(self, imm: int, code: int) -> BaseException:
+        exc = self._mirror_errors.get(imm)
+        if exc is not None:
+            return exc
+        if code == _PEER_LOST:
+            return self.lost_error(self._mirror_peers.get(imm) or b"")
+        return self._failure or EngineClosed("the engine closed under a device counter")
+
+    def fail_mirror(self, imm: int, exc: BaseException, *, detach: bool = False) -> bool:
+        self._mirror_errors.setdefault(imm, exc)
+        fresh = self._native.fail_mirror(imm, _TIMEOUT, detach)
+        if detach:
+            self._mirror_peers.pop(imm, None)
+        return fresh
+
+    def mirror_state(self, imm: int) -> tuple[int, int]:
+        arrived, reserved, _state = self._native.mirror_state(imm)
+        return arrived, reserved
 
     def lost_wait(self, peer: bytes) -> BaseException:
         """The error of a wait that names ``peer``, a peer known lost; asks the engine to

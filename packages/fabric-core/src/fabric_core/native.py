@@ -29,6 +29,7 @@ from .api import EngineStats
 from .base import EngineBase, Registration
 from .counters import CounterTable, NativeCounterTable
 from .errors import (
+    CapabilityError,
     EngineClosed,
     FabricError,
     PeerUnreachable,
@@ -333,8 +334,18 @@ class NativeEngine(EngineBase):
     def _backend_register(
         self, span: MemorySpan, writable: bool, handle: int
     ) -> tuple[tuple[int, ...], object]:
-        token, keys = self._core.register_memory(span.ptr, span.length, writable)
+        try:
+            token, keys = self._core.register_memory(span.ptr, span.length, writable)
+        except RuntimeError as exc:
+            if span.device.kind == "cuda":  # the transport cannot take this GPU memory
+                why = f"cannot register {span.device} memory on {self._where}: {exc}"
+                raise CapabilityError(why) from exc
+            raise self._registration_error(exc) from exc
         return tuple(keys), token
+
+    def _registration_error(self, exc: RuntimeError) -> BaseException:
+        """The error a failed host-memory registration raises (a backend may type it)."""
+        return exc
 
     def _backend_bound(self, reg: Registration) -> None:
         assert isinstance(reg.token, int)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from fabric_core import cuda
 from fabric_core.errors import BackendUnavailable, ConfigError
 from fabric_core.models import Capabilities, DomainInfo
 from fabric_core.native import HEADER_BYTES, NativeEngine
@@ -49,8 +50,25 @@ def _details(info: dict[str, Any]) -> dict[str, str | int | bool]:
         "inject_bytes": int(info["inject_size"]),
         "tx_depth": int(info["tx_size"]),
         "cq_data_bytes": int(info["cq_data_size"]),
-        "cuda_memory": bool(info["hmem"]),
     }
+
+
+def _probe_cuda(core: Any, hmem: bool) -> tuple[bool, str]:
+    """Whether CUDA memory registers on this provider, and why not. A provider may report
+    FI_HMEM from a libfabric built without CUDA (its registrations then fail with ENOSYS):
+    one registration of a small device buffer at open tells, so that ``cuda_memory`` is
+    true only where it works and CUDA tensors are refused at registration elsewhere."""
+    if not hmem:
+        return False, "the provider has no FI_HMEM"
+    if not cuda.available():
+        return False, cuda.unavailable_reason() or "no CUDA GPU"
+    try:
+        with cuda.device_buffer(4096) as ptr:
+            handle, _keys = core.register_memory(ptr, 4096, True)
+            core.deregister(handle)
+    except RuntimeError as exc:
+        return False, f"this libfabric cannot register CUDA memory ({exc})"
+    return True, ""
 
 
 class EfaEngine(NativeEngine):
@@ -83,6 +101,8 @@ class EfaEngine(NativeEngine):
         max_msg = int(info["max_msg_size"]) or (1 << 30)
         max_msg = min(max_msg, 1 << 62, settings.max_msg_size or (1 << 62))
         details = _details(info)
+        cuda_ok, why = _probe_cuda(core, bool(info["hmem"]))
+        details["cuda_memory"] = "yes" if cuda_ok else f"no: {why}"
         for a in core.addresses():  # an address can be reused
             _efa.reopen_address(a)
         super().__init__(
@@ -93,7 +113,7 @@ class EfaEngine(NativeEngine):
                 num_nics=nics,
                 max_msg_size=max_msg,
                 max_send_size=settings.max_send_size,
-                cuda_memory=False,
+                cuda_memory=cuda_ok,
             ),
             [
                 DomainInfo(

@@ -9,6 +9,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from fabric_core import cuda
 from fabric_core.base import EngineBase, Registration
 from fabric_core.errors import ConfigError, EngineClosed, PeerUnreachable
 from fabric_core.memory import MemorySpan
@@ -42,6 +43,8 @@ class _SimKeys:
 class SimEngine(EngineBase):
     """An engine with ``nics`` simulated NICs on ``fabric``."""
 
+    _cuda_one_allocation = False  # copies go by address: expandable_segments' pieces are fine
+
     def __init__(self, fabric: SimFabric, settings: FabricSettings, nics: int) -> None:
         if not 1 <= nics <= 64:
             raise ConfigError(f"nics must be in [1, 64], got {nics}")
@@ -72,6 +75,7 @@ class SimEngine(EngineBase):
                 num_nics=nics,
                 max_msg_size=max_msg,
                 max_send_size=settings.max_send_size,
+                cuda_memory=cuda.available(),  # moved with device copies (cuda.copy)
                 virtual_clock=fabric.link is not None,
             ),
             [fabric.address(self.engine_id, i) for i in range(nics)],
@@ -131,7 +135,10 @@ class SimEngine(EngineBase):
     def _backend_post(
         self, plan: Plan, transfer: Transfer, source: Registration | None, timeout: float
     ) -> None:
-        self._fabric.post(self, plan, transfer, source.ptr if source is not None else 0, timeout)
+        if source is None:
+            self._fabric.post(self, plan, transfer, 0, timeout)
+        else:
+            self._fabric.post(self, plan, transfer, source.ptr, timeout, source.region.device.kind == "cuda")
 
     def _backend_send(self, peer: DomainAddress, payload: bytes, transfer: Transfer, timeout: float) -> None:
         self._fabric.post_message(self, peer, payload, transfer, timeout)

@@ -24,7 +24,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
+from fabric_core import cuda
 from fabric_core.errors import (
+    CapabilityError,
     ConfigError,
     EngineClosed,
     PeerUnreachable,
@@ -73,6 +75,7 @@ class _Xfer:
     """Sender-side state of one transfer."""
 
     __slots__ = (
+        "cuda_src",
         "deadline",
         "early",
         "engine",
@@ -93,8 +96,10 @@ class _Xfer:
         timeout: float,
         peers: frozenset[int],
         imm: int | None = None,
+        cuda_src: bool = False,
     ) -> None:
         self.engine, self.transfer, self.left, self.total = engine, transfer, left, left
+        self.cuda_src = cuda_src  # the source is CUDA memory: its bytes move by device copies
         self.error: BaseException | None = None
         self.started = time.monotonic()
         self.deadline = self.started + timeout if math.isfinite(timeout) else math.inf
@@ -108,6 +113,7 @@ class _WR:
         "ack_lost",
         "batch",
         "carrier",
+        "cuda",
         "desc",
         "dst",
         "dst_addr",
@@ -141,6 +147,7 @@ class _WR:
         self.src_ptr, self.dst_addr, self.length, self.rkey, self.imm = src_ptr, dst_addr, length, rkey, imm
         self.left = chunks
         self.desc = desc  # the target's descriptor: its keys on the other NICs, for a retry
+        self.cuda = xfer.cuda_src or desc.device.kind == "cuda"  # bytes move by CUDA copies
         self.error: BaseException | None = None
         self.fate: bool | None = None  # caught on a dying NIC: lands with its ack lost (True) or not
         self.ack_lost: BaseException | None = None  # landed, but the sender is told it failed
@@ -384,8 +391,17 @@ class SimFabric:
     def _jitter(self) -> float:
         return self._rng.random() if self.link is None else self._rng.random() * max(self.link.per_op_s, 1e-9)
 
-    def post(self, engine: SimEngine, plan: Plan, transfer: Transfer, src_ptr: int, timeout: float) -> None:
-        """Queue every WR of ``plan`` (caller holds no fabric lock)."""
+    def post(
+        self,
+        engine: SimEngine,
+        plan: Plan,
+        transfer: Transfer,
+        src_ptr: int,
+        timeout: float,
+        cuda_src: bool = False,
+    ) -> None:
+        """Queue every WR of ``plan`` (caller holds no fabric lock). ``cuda_src``: the source
+        is CUDA memory."""
         with self._cv:
             targets: list[int | BaseException] = []
             for desc in plan.targets:
@@ -394,7 +410,7 @@ class SimFabric:
                 except PeerUnreachable as exc:
                     targets.append(exc)
             peers = frozenset(t for t in targets if isinstance(t, int))
-            xfer = _Xfer(engine, transfer, plan.num_wrs, timeout, peers, plan.imm)
+            xfer = _Xfer(engine, transfer, plan.num_wrs, timeout, peers, plan.imm, cuda_src)
             engine._inflight.add(xfer)
             nics, tgts = plan.nic.tolist(), plan.target.tolist()
             src_offs, dst_offs, lengths = plan.src_off.tolist(), plan.dst_off.tolist(), plan.length.tolist()
@@ -710,7 +726,15 @@ class SimFabric:
             if err is not None:
                 wr.error = err
             elif n and wr.dst_addr < _PHANTOM_BASE and wr.src_ptr < _PHANTOM_BASE:
-                ctypes.memmove(wr.dst_addr + off, wr.src_ptr + off, n)
+                if wr.cuda:  # a device (or peer) copy, finished before the imm can count
+                    try:
+                        cuda.copy(wr.dst_addr + off, wr.src_ptr + off, n)
+                    except (RuntimeError, CapabilityError) as exc:
+                        wr.error = TransportError(
+                            f"the CUDA copy failed: {exc}", peer=str(self.address(wr.dst, 0))
+                        )
+                else:
+                    ctypes.memmove(wr.dst_addr + off, wr.src_ptr + off, n)
         if wr.left == 0:
             self._push(self.now + (self._jitter() * 0.25 if self.link is None else 0.0), _WR_DONE, wr)
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from fabric_core.errors import BackendUnavailable, CapabilityError, FabricError
-from fabric_core.memory import MemorySpan
+from fabric_core.errors import BackendUnavailable, FabricError
 from fabric_core.models import Capabilities, DomainInfo
 from fabric_core.native import HEADER_BYTES, NativeEngine
 from fabric_core.settings import FabricSettings
@@ -121,12 +120,5 @@ class VerbsEngine(NativeEngine):
         imm receive queue's low-water mark, registrations by kind."""
         return self._verbs_core.domain_stats()
 
-    def _backend_register(
-        self, span: MemorySpan, writable: bool, handle: int
-    ) -> tuple[tuple[int, ...], object]:
-        try:
-            return super()._backend_register(span, writable, handle)
-        except RuntimeError as exc:
-            if span.device.kind == "cuda":
-                raise CapabilityError(str(exc)) from exc
-            raise RegistrationError(str(exc)) from exc
+    def _registration_error(self, exc: RuntimeError) -> BaseException:
+        return RegistrationError(str(exc))

@@ -43,7 +43,15 @@ import numpy as np
 
 from ..api import EngineStats, TransferEngine
 from ..counters import Expectation, ImmCounter, check_imm, check_wait_timeout
-from ..errors import ConfigError, EngineClosed, FabricError, PeerUnreachable, TransferCancelled
+from ..device_counter import DeviceCounter
+from ..errors import (
+    CapabilityError,
+    ConfigError,
+    EngineClosed,
+    FabricError,
+    PeerUnreachable,
+    TransferCancelled,
+)
 from ..memory import memory_span
 from ..models import Capabilities, DomainAddress, DomainInfo, MemoryRegion, MemoryRegionDescriptor
 from ..ops import Message, PeerGroup, Request
@@ -544,6 +552,9 @@ class RemoteEngine(TransferEngine):
 
     def counter(self, imm: int) -> ImmCounter:
         return _RemoteCounter(self, check_imm(imm))
+
+    def device_counter(self, imm: int, *, peer: DomainAddress | None = None) -> DeviceCounter:
+        raise CapabilityError("a remote engine's GPU-side waits belong to its own process: make them there")
 
     # two-sided ---------------------------------------------------------------------------
     def submit_send(

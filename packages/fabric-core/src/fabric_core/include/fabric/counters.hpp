@@ -28,6 +28,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -81,8 +82,12 @@ class CounterTable {
         {
             std::lock_guard<std::mutex> lock(mu_);
             for (const auto& [imm, n] : counts) {
-                if (received) received_ += n;
                 Slot& slot = slots_[imm];
+                if (received) {
+                    received_ += n;
+                    slot.arrived += n;
+                    if (slot.mirror) publish(slot);
+                }
                 slot.count += n;
                 wake |= settle(slot, fired);
             }
@@ -206,6 +211,7 @@ class CounterTable {
             std::lock_guard<std::mutex> lock(mu_);
             lost_.insert(peer);
             for (auto& [imm, slot] : slots_) {
+                if (slot.mirror && slot.mirror_peer == peer) release(slot, kCountPeerLost);
                 std::deque<WaiterPtr> keep;
                 for (auto& w : slot.waiters) {
                     if (w->peer == peer) {
@@ -218,6 +224,65 @@ class CounterTable {
             }
         }
         cv_.notify_all();
+    }
+
+    // --- GPU-side waits (fabric_core.device_counter) ----------------------------------------
+    // A mirror publishes one imm's arrivals to a 32-bit word of host memory mapped into the
+    // GPUs: base + arrivals since engine start (mod 2^32), stored by the thread that counts
+    // them, so a CUDA stream waiting on the word (cuStreamWaitValue32, a cyclic >=) goes on
+    // with no host thread in between. reserve() hands out targets, base + the arrivals asked
+    // for so far; the device ledger is its own (host waiters consume counts, it does not).
+    // A failed mirror (its peer lost, the engine closing, a host-side deadline, detached)
+    // stores the highest target handed out, so that every GPU wait queued on it passes, and
+    // refuses further reserves with the failure's code. The word itself only ever grows:
+    // ``base`` starts from its current value, so a word can serve one mirror after another.
+
+    // kCountOk; kCountPeerLost (``peer`` is lost); kCountFailed (the imm has a mirror).
+    int attach_mirror(uint32_t imm, uint32_t* word, const std::string& peer) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!peer.empty() && lost_.count(peer)) return kCountPeerLost;
+        Slot& slot = slots_[imm];
+        if (slot.mirror) return kCountFailed;
+        slot.mirror = word;
+        slot.mirror_base = __atomic_load_n(word, __ATOMIC_ACQUIRE) - static_cast<uint32_t>(slot.arrived);
+        slot.mirror_cursor = 0;
+        slot.mirror_state = kCountQueued;
+        slot.mirror_peer = peer;
+        return kCountOk;
+    }
+
+    // The next target of n more arrivals: kCountOk, or the code the mirror failed with
+    // (kCountFailed: no mirror).
+    int reserve(uint32_t imm, uint64_t n, uint32_t& target) {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = slots_.find(imm);
+        if (it == slots_.end() || !it->second.mirror) return kCountFailed;
+        Slot& slot = it->second;
+        if (slot.mirror_state != kCountQueued) return slot.mirror_state;
+        slot.mirror_cursor += n;
+        target = slot.mirror_base + static_cast<uint32_t>(slot.mirror_cursor);
+        return kCountOk;
+    }
+
+    // Fails the imm's mirror with ``code`` (releasing its GPU waits); false if it has none or
+    // it had failed already. ``detach``: the mirror goes (its word is free for another).
+    bool fail_mirror(uint32_t imm, int code, bool detach) {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = slots_.find(imm);
+        if (it == slots_.end() || !it->second.mirror) return false;
+        bool fresh = release(it->second, code);
+        if (detach) it->second.mirror = nullptr;
+        return fresh;
+    }
+
+    // (arrivals since engine start, arrivals reserved by GPU waits, mirror state)
+    std::tuple<uint64_t, uint64_t, int> mirror_state(uint32_t imm) const {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = slots_.find(imm);
+        if (it == slots_.end()) return {0, 0, kCountFailed};
+        const Slot& slot = it->second;
+        if (!slot.mirror) return {slot.arrived, 0, kCountFailed};
+        return {slot.arrived, slot.mirror_cursor, slot.mirror_state};
     }
 
     void revive_peer(const std::string& peer) {
@@ -235,10 +300,13 @@ class CounterTable {
     std::vector<std::string> watched_peers() const {
         std::lock_guard<std::mutex> lock(mu_);
         std::vector<std::string> out;
-        for (const auto& [imm, slot] : slots_)
-            for (const auto& w : slot.waiters)
-                if (!w->peer.empty() && std::find(out.begin(), out.end(), w->peer) == out.end())
-                    out.push_back(w->peer);
+        auto watch = [&out](const std::string& peer) {
+            if (!peer.empty() && std::find(out.begin(), out.end(), peer) == out.end()) out.push_back(peer);
+        };
+        for (const auto& [imm, slot] : slots_) {
+            for (const auto& w : slot.waiters) watch(w->peer);
+            if (slot.mirror && slot.mirror_state == kCountQueued) watch(slot.mirror_peer);  // a GPU waits on it
+        }
         return out;
     }
 
@@ -272,6 +340,7 @@ class CounterTable {
             for (auto& [imm, slot] : slots_) {
                 for (auto& w : slot.waiters) fire(*w, kCountFailed, failed);
                 slot.waiters.clear();
+                if (slot.mirror) release(slot, kCountFailed);
             }
         }
         cv_.notify_all();
@@ -291,7 +360,29 @@ class CounterTable {
     struct Slot {
         uint64_t count = 0;
         std::deque<WaiterPtr> waiters;
+        uint64_t arrived = 0;  // arrivals since engine start (refunds excluded)
+        // a GPU-side wait's mirror (attach_mirror), or none
+        uint32_t* mirror = nullptr;
+        uint32_t mirror_base = 0;
+        uint64_t mirror_cursor = 0;  // arrivals reserved by GPU waits
+        int mirror_state = kCountQueued;
+        std::string mirror_peer;
     };
+
+    static void publish(Slot& slot) {
+        // a failed mirror's word was set past every target: it never moves back from there
+        uint64_t top = slot.mirror_state == kCountQueued ? slot.arrived : std::max(slot.arrived, slot.mirror_cursor);
+        __atomic_store_n(slot.mirror, slot.mirror_base + static_cast<uint32_t>(top), __ATOMIC_RELEASE);
+    }
+
+    // Fails a live mirror with ``code`` and lets its queued GPU waits pass; false if it had failed.
+    static bool release(Slot& slot, int code) {
+        if (slot.mirror_state != kCountQueued) return false;
+        slot.mirror_state = code;
+        uint64_t top = std::max(slot.arrived, slot.mirror_cursor);
+        __atomic_store_n(slot.mirror, slot.mirror_base + static_cast<uint32_t>(top), __ATOMIC_RELEASE);
+        return true;
+    }
 
     // Fires head waiters the count now covers; true if a blocking waiter fired.
     bool settle(Slot& slot, Tokens& fired) {

@@ -115,6 +115,22 @@ inline void bind_counter_table(py::module_& m) {
                  t.fail_all(failed);
                  return failed;
              })
+        .def(
+            "attach_mirror",
+            [](Table& t, uint32_t imm, uintptr_t word, py::bytes peer) {
+                return t.attach_mirror(imm, reinterpret_cast<uint32_t*>(word), std::string(peer));
+            },
+            py::arg("imm"), py::arg("word"), py::arg("peer"))
+        .def(
+            "reserve",
+            [](Table& t, uint32_t imm, uint64_t n) {
+                uint32_t target = 0;
+                int code = t.reserve(imm, n, target);
+                return std::make_pair(code, target);
+            },
+            py::arg("imm"), py::arg("n"))
+        .def("fail_mirror", &Table::fail_mirror, py::arg("imm"), py::arg("code"), py::arg("detach"))
+        .def("mirror_state", &Table::mirror_state, py::arg("imm"))
         .def("pending", [](const Table& t) {
             // (imm, unconsumed count, what the waiter needs, its peer or b"") per queued waiter
             py::list out;

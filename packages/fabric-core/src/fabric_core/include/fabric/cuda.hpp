@@ -1,9 +1,10 @@
-// The few CUDA driver calls that registering GPU memory needs, loaded at run time.
+// The few CUDA driver calls that registering GPU memory needs, loaded at run time; shared by
+// the compiled backends (fabric-efa: FI_HMEM_CUDA registrations; fabric-verbs: DMA-BUF).
 //
-// fabric-verbs builds and runs without CUDA: libcuda.so.1 is opened (dlopen) the first time
-// memory is registered, and only these entry points are used: is a pointer device memory,
-// what allocation holds it, and a DMA-BUF file descriptor for that allocation
-// (cuMemGetHandleForAddressRange, CUDA 11.7+ with an open-kernel or >= 515 driver).
+// The backends build and run without CUDA: libcuda.so.1 is opened (dlopen) the first time
+// memory is registered, and only these entry points are used: is a pointer device memory and
+// of which device, what allocation holds it, and a DMA-BUF file descriptor for that
+// allocation (cuMemGetHandleForAddressRange, CUDA 11.7+ with an open-kernel or >= 515 driver).
 #pragma once
 
 #include <dlfcn.h>
@@ -12,11 +13,12 @@
 #include <mutex>
 #include <string>
 
-namespace fabric::verbs::cuda {
+namespace fabric::cuda {
 
 using CUresult = int;
 using CUdeviceptr = unsigned long long;
 constexpr int kPointerAttributeMemoryType = 2;  // CU_POINTER_ATTRIBUTE_MEMORY_TYPE
+constexpr int kPointerAttributeDeviceOrdinal = 9;  // CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
 constexpr unsigned kMemoryTypeDevice = 2;        // CU_MEMORYTYPE_DEVICE
 constexpr int kRangeHandleDmaBufFd = 1;          // CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
 
@@ -63,6 +65,15 @@ inline bool is_device_pointer(const void* ptr) {
     return rc == 0 && type == kMemoryTypeDevice;
 }
 
+// The CUDA device ``ptr`` is memory of, or -1 for memory that is not CUDA device memory.
+inline int device_ordinal(const void* ptr) {
+    if (!is_device_pointer(ptr)) return -1;
+    int ordinal = -1;
+    CUresult rc = Driver::get().pointer_get_attribute(&ordinal, kPointerAttributeDeviceOrdinal,
+                                                      reinterpret_cast<CUdeviceptr>(ptr));
+    return rc == 0 ? ordinal : -1;
+}
+
 // A DMA-BUF fd for the allocation holding ``ptr``, and ptr's offset in it; -1 and ``why``
 // when the driver cannot export one.
 inline int dmabuf_fd(const void* ptr, uint64_t& offset, std::string& why) {
@@ -89,4 +100,4 @@ inline int dmabuf_fd(const void* ptr, uint64_t& offset, std::string& why) {
     return fd;
 }
 
-}  // namespace fabric::verbs::cuda
+}  // namespace fabric::cuda
