@@ -115,7 +115,9 @@ class LibfabricDomain {
   public:
     // Opens the index-th endpoint on `provider` (several per process emulate several NICs).
     // ``source``: the local address to bind to (see getinfo), or empty.
-    LibfabricDomain(const std::string& provider, int index, size_t cq_size, const std::string& source = std::string()) {
+    // ``hmem``: ask for FI_HMEM (CUDA memory), where the provider has it.
+    LibfabricDomain(const std::string& provider, int index, size_t cq_size, const std::string& source = std::string(),
+                    bool hmem = false) {
         fi_info* hints = fi_allocinfo();
         if (!hints) throw std::bad_alloc();
         hints->ep_attr->type = FI_EP_RDM;
@@ -128,13 +130,15 @@ class LibfabricDomain {
         // FI_SOURCE where the provider has it: an imm's source, for exact counts across a
         // lost NIC (fabric/engine.hpp, "NIC loss").
         hints->caps |= FI_SOURCE;
-        // FI_HMEM where the provider has it: CUDA memory registered as such (FI_HMEM_CUDA),
-        // which the provider moves itself (shm: CUDA IPC between the processes of a host).
-        // Each wish is dropped in turn where the provider refuses it.
-        hints->caps |= FI_HMEM;
-        hints->domain_attr->mr_mode |= FI_MR_HMEM;
+        // FI_HMEM, when asked (a GPU is there), where the provider has it: CUDA memory
+        // registered as such (FI_HMEM_CUDA), which the provider moves itself (shm: CUDA IPC
+        // between the processes of a host). Each wish is dropped in turn where refused.
+        if (hmem) {
+            hints->caps |= FI_HMEM;
+            hints->domain_attr->mr_mode |= FI_MR_HMEM;
+        }
         int rc = getinfo(hints, &info_, source);
-        if (rc != 0) {
+        if (rc != 0 && hmem) {
             hints->caps &= ~FI_HMEM;
             hints->domain_attr->mr_mode &= ~FI_MR_HMEM;
             rc = getinfo(hints, &info_, source);

@@ -30,8 +30,8 @@ namespace {
 class EfaEngine : public fabric::PyEngine<LibfabricDomain> {
   public:
     EfaEngine(const std::string& provider, int nics, std::optional<uint64_t> chaos_seed, int cpu, size_t recv_depth,
-              size_t max_send, const std::vector<std::string>& sources)
-        : PyEngine(open(provider, nics, sources), chaos_seed, cpu, recv_depth, max_send),
+              size_t max_send, const std::vector<std::string>& sources, bool hmem)
+        : PyEngine(open(provider, nics, sources, hmem), chaos_seed, cpu, recv_depth, max_send),
           info_(engine().nic(0).info()) {}
 
     py::dict provider_info() const {
@@ -55,13 +55,14 @@ class EfaEngine : public fabric::PyEngine<LibfabricDomain> {
     }
 
   private:
-    // ``sources``: empty, or the local address each NIC binds to.
+    // ``sources``: empty, or the local address each NIC binds to. ``hmem``: ask for FI_HMEM
+    // (there is a GPU whose memory to register).
     static std::vector<std::unique_ptr<LibfabricDomain>> open(const std::string& provider, int nics,
-                                                              const std::vector<std::string>& sources) {
+                                                              const std::vector<std::string>& sources, bool hmem) {
         std::vector<std::unique_ptr<LibfabricDomain>> domains;
         for (int i = 0; i < nics; i++)
             domains.push_back(std::make_unique<LibfabricDomain>(
-                provider, i, 4096, size_t(i) < sources.size() ? sources[size_t(i)] : std::string()));
+                provider, i, 4096, size_t(i) < sources.size() ? sources[size_t(i)] : std::string(), hmem));
         return domains;
     }
 
@@ -101,9 +102,9 @@ PYBIND11_MODULE(_efa, m) {
     py::class_<EfaEngine> engine(m, "Engine", py::module_local());
     engine
         .def(py::init<const std::string&, int, std::optional<uint64_t>, int, size_t, size_t,
-                      const std::vector<std::string>&>(),
+                      const std::vector<std::string>&, bool>(),
              py::arg("provider"), py::arg("nics"), py::arg("chaos_seed"), py::arg("cpu"), py::arg("recv_depth"),
-             py::arg("max_send"), py::arg("sources") = std::vector<std::string>())
+             py::arg("max_send"), py::arg("sources") = std::vector<std::string>(), py::arg("hmem") = false)
         .def("provider_info", &EfaEngine::provider_info)
         .def("inject_nic_failure", &EfaEngine::inject_nic_failure, py::arg("nic"), py::arg("failed"),
              py::arg("seed") = 0);

@@ -167,11 +167,11 @@ def test_cuda_memory_is_claimed_only_where_a_device_registration_works(
     from fabric_core import cuda
     from fabric_efa import engine
 
-    assert engine._probe_cuda(_Core(False), False) == (False, "the provider has no FI_HMEM")
     if not cuda.available():
         ok, why = engine._probe_cuda(_Core(False), True)
         assert not ok and "CUDA" in why
     monkeypatch.setattr(cuda, "available", lambda: True)
+    assert engine._probe_cuda(_Core(False), False) == (False, "the provider has no FI_HMEM")
     monkeypatch.setattr(cuda, "device_buffer", lambda n: contextlib.nullcontext(0xD000))
     core = _Core(True)
     ok, why = engine._probe_cuda(core, True)

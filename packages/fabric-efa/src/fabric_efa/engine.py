@@ -58,10 +58,10 @@ def _probe_cuda(core: Any, hmem: bool) -> tuple[bool, str]:
     FI_HMEM from a libfabric built without CUDA (its registrations then fail with ENOSYS):
     one registration of a small device buffer at open tells, so that ``cuda_memory`` is
     true only where it works and CUDA tensors are refused at registration elsewhere."""
-    if not hmem:
-        return False, "the provider has no FI_HMEM"
     if not cuda.available():
         return False, cuda.unavailable_reason() or "no CUDA GPU"
+    if not hmem:
+        return False, "the provider has no FI_HMEM"
     try:
         with cuda.device_buffer(4096) as ptr:
             handle, _keys = core.register_memory(ptr, 4096, True)
@@ -91,6 +91,7 @@ class EfaEngine(NativeEngine):
                 settings.recv_depth,
                 settings.max_send_size + HEADER_BYTES,
                 sources,
+                cuda.available(),  # FI_HMEM only where there is GPU memory to register
             )
         except RuntimeError as exc:
             raise BackendUnavailable(
