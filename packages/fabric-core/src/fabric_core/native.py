@@ -340,12 +340,16 @@ class NativeEngine(EngineBase):
             if span.device.kind == "cuda":  # the transport cannot take this GPU memory
                 why = f"cannot register {span.device} memory on {self._where}: {exc}"
                 raise CapabilityError(why) from exc
-            raise self._registration_error(exc) from exc
+            typed = self._registration_error(exc)
+            if typed is None:
+                raise
+            raise typed from exc
         return tuple(keys), token
 
-    def _registration_error(self, exc: RuntimeError) -> BaseException:
-        """The error a failed host-memory registration raises (a backend may type it)."""
-        return exc
+    def _registration_error(self, exc: RuntimeError) -> BaseException | None:
+        """The typed error a failed host-memory registration raises instead of ``exc``
+        (None: ``exc`` itself)."""
+        return None
 
     def _backend_bound(self, reg: Registration) -> None:
         assert isinstance(reg.token, int)

@@ -120,5 +120,5 @@ class VerbsEngine(NativeEngine):
         imm receive queue's low-water mark, registrations by kind."""
         return self._verbs_core.domain_stats()
 
-    def _registration_error(self, exc: RuntimeError) -> BaseException:
+    def _registration_error(self, exc: RuntimeError) -> BaseException | None:
         return RegistrationError(str(exc))
