@@ -8,11 +8,13 @@ What runs, side by side in one process tree (medians over ``--reps``):
 * ``register``: ``register`` + ``deregister`` of a CUDA tensor of each size, on the simulator
   (the driver's checks only) and on fabric-efa's shm provider (FI_HMEM_CUDA: the provider
   takes a CUDA IPC handle).
-* ``bandwidth``: one WriteImm of each size, GPU memory to GPU memory, from this process to
+* ``bandwidth``: WriteImm of each size, GPU memory to GPU memory, from this process to
   another process's engine on the same GPU (fabric-efa over shm, which moves CUDA memory by
-  CUDA IPC), timed from ``submit`` to the imm counted at the target; against
-  ``torch`` copying the same bytes device to device, and the simulator (in-process, its
-  device copies) for reference.
+  CUDA IPC), timed from the first ``submit`` of a burst to the last imm counted at the
+  target; against ``torch`` copying the same bytes device to device in bursts of the same
+  length, and the simulator (in-process, its device copies) for reference.
+* ``imm_latency``: a 4 KiB WriteImm ping-pong between the two processes, GPU memory to GPU
+  memory: half the round trip, p50/p99.
 * ``device_wait``: the time from a write's ``submit`` to the GPU work queued behind a
   ``DeviceCounter.wait`` finishing, against the host-side path (``counter.wait()`` on the
   host, then launch the same work); measured in one process with the simulator and with two
@@ -111,27 +113,43 @@ def _target(conn: Any, size: int) -> None:
         msg = conn.recv()
         if msg is None:
             break
+        if msg[0] == "pong":  # answer each imm with a 4 KiB write back
+            _, peer_desc, imm, back, count = msg
+            back_desc = MemoryRegionDescriptor.from_bytes(peer_desc)
+            for _ in range(count):
+                e.counter(imm).wait(1, timeout=60)
+                e.submit(WriteRequest(r, 0, 4096, back_desc, 0, imm=back))
+            conn.send(0)
+            continue
         imm, n, check = msg
         e.counter(imm).wait(n, timeout=60)
         conn.send(int(buf[:check].to(torch.int64).sum().item()) if check else 0)
     e.close()
 
 
-def bench_bandwidth(reps: int) -> list[dict[str, Any]]:
+def _burst(size: int) -> int:
+    """Writes (and copies) of ``size`` timed together: 256 MiB or 64 of them, at least one,
+    so that fixed costs (a sync, the target's answer through a pipe) are spread alike."""
+    return max(1, min(64, max(SIZES) // size))
+
+
+def bench_bandwidth(reps: int, latency_reps: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     rows: list[dict[str, Any]] = []
+    latency: list[dict[str, Any]] = []
     top = max(SIZES)
     src = torch.randint(0, 256, (top,), dtype=torch.uint8, device="cuda")
     dst = torch.empty(top, dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()
-    # the ceiling: torch device-to-device copies
+    # the ceiling: torch device-to-device copies, a burst of them then one sync
     for size in SIZES:
         times = []
         for _ in range(reps):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            dst[:size].copy_(src[:size])
+            for _ in range(_burst(size)):
+                dst[:size].copy_(src[:size])
             torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
+            times.append((time.perf_counter() - t0) / _burst(size))
         rows.append({"path": "torch-d2d-copy", "bytes": size, "seconds": _median(times)})
     # the simulator, in process (one NIC: one device copy per chunk)
     fabric = SimFabric(0, chunk_bytes=64 * MiB)
@@ -151,7 +169,7 @@ def bench_bandwidth(reps: int) -> list[dict[str, Any]]:
     # fabric-efa over shm, to another process on this GPU
     probe = _efa()
     if probe is None:
-        return rows
+        return rows, latency
     probe.close()
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
@@ -165,23 +183,48 @@ def bench_bandwidth(reps: int) -> list[dict[str, Any]]:
         for i, size in enumerate(SIZES):
             imm = 200 + i
             times = []
+            burst = _burst(size)
             for rep in range(reps + 1):
-                here.send((imm, 1, 4 * MiB if (rep == 0 and size >= 4 * MiB) else 0))
+                here.send((imm, burst, 4 * MiB if (rep == 0 and size >= 4 * MiB) else 0))
                 t0 = time.perf_counter()
-                e.submit(WriteRequest(rsrc, 0, size, desc, 0, imm=imm)).wait(timeout=60)
-                got = here.recv()  # the target counted the imm
-                elapsed = time.perf_counter() - t0
+                sent = [e.submit(WriteRequest(rsrc, 0, size, desc, 0, imm=imm)) for _ in range(burst)]
+                got = here.recv()  # the target counted the burst's imms
+                elapsed = (time.perf_counter() - t0) / burst
+                for t in sent:
+                    t.wait(timeout=60)
                 if rep == 0:
                     if size >= 4 * MiB and got != want:
                         raise SystemExit(f"efa shm wrote wrong bytes: checksum {got} != {want}")
                     continue  # warm-up (first touch of the IPC mapping)
                 times.append(elapsed)
             rows.append({"path": "efa-shm-writeimm", "bytes": size, "seconds": _median(times)})
+        # imm latency: ping-pong of 4 KiB writes between the two processes' GPU memory
+        back = torch.zeros(4096, dtype=torch.uint8, device="cuda")
+        rback = e.register(back)
+        count = 20 + latency_reps
+        here.send(("pong", bytes(rback.descriptor), 300, 301, count))
+        lat = []
+        for i in range(count):
+            t0 = time.perf_counter()
+            e.submit(WriteRequest(rsrc, 0, 4096, desc, 0, imm=300))
+            e.counter(301).wait(1, timeout=60)
+            if i >= 20:
+                lat.append((time.perf_counter() - t0) / 2)
+        here.recv()
+        lat.sort()
+        latency.append(
+            {
+                "path": "efa-shm cuda-ipc ping-pong, half round trip",
+                "bytes": 4096,
+                "p50_us": lat[len(lat) // 2] * 1e6,
+                "p99_us": lat[int(len(lat) * 0.99)] * 1e6,
+            }
+        )
         e.close()
     finally:
         here.send(None)
         proc.join(30)
-    return rows
+    return rows, latency
 
 
 def _latency(a: Any, b: Any, reps: int, label: str) -> list[dict[str, Any]]:
@@ -310,10 +353,11 @@ def main() -> None:
     _say(f"efa shm and CUDA memory: {result['efa_shm_cuda']}")
     result["register"] = bench_register(args.reps)
     _say(json.dumps(result["register"], indent=1))
-    result["bandwidth"] = bench_bandwidth(args.reps)
+    result["bandwidth"], result["imm_latency"] = bench_bandwidth(args.reps, args.latency_reps)
     for r in result["bandwidth"]:
         gbps = r["bytes"] / r["seconds"] / 1e9
         _say(f"{r['path']:>18} {r['bytes'] >> 10:>8} KiB {gbps:8.1f} GB/s")
+    _say(json.dumps(result["imm_latency"], indent=1))
     result["device_wait"] = bench_device_wait(args.latency_reps)
     _say(json.dumps(result["device_wait"], indent=1))
     with open(args.out, "w") as f:

@@ -16,6 +16,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include <fabric/cuda_ipc.hpp>
 #include <fabric/pyengine.hpp>
 
 #include "libfabric_domain.hpp"
@@ -23,16 +24,19 @@
 namespace py = pybind11;
 using fabric::efa::LibfabricDomain;
 using fabric::efa::LibfabricError;
+// Each endpoint, with CUDA memory carried over CUDA IPC where asked (one host: shm).
+using Domain = fabric::cuda_ipc::CudaIpcDomain<LibfabricDomain>;
 
 namespace {
 
 // The libfabric engine: one RDM endpoint per emulated or real NIC on ``provider``.
-class EfaEngine : public fabric::PyEngine<LibfabricDomain> {
+class EfaEngine : public fabric::PyEngine<Domain> {
   public:
     EfaEngine(const std::string& provider, int nics, std::optional<uint64_t> chaos_seed, int cpu, size_t recv_depth,
-              size_t max_send, const std::vector<std::string>& sources, bool hmem)
-        : PyEngine(open(provider, nics, sources, hmem), chaos_seed, cpu, recv_depth, max_send),
-          info_(engine().nic(0).info()) {}
+              size_t max_send, const std::vector<std::string>& sources, bool hmem, int ipc_device)
+        : PyEngine(open(provider, nics, sources, hmem, ipc_device), chaos_seed, cpu, recv_depth, max_send),
+          info_(engine().nic(0).info()),
+          cuda_ipc_(engine().nic(0).cuda_ipc()) {}
 
     py::dict provider_info() const {
         py::dict d;
@@ -45,6 +49,7 @@ class EfaEngine : public fabric::PyEngine<LibfabricDomain> {
         d["cq_data_size"] = info_.cq_data_size;
         d["tx_size"] = info_.max_tx;
         d["hmem"] = info_.hmem;
+        d["cuda_ipc"] = cuda_ipc_;
         return d;
     }
 
@@ -56,17 +61,20 @@ class EfaEngine : public fabric::PyEngine<LibfabricDomain> {
 
   private:
     // ``sources``: empty, or the local address each NIC binds to. ``hmem``: ask for FI_HMEM
-    // (there is a GPU whose memory to register).
-    static std::vector<std::unique_ptr<LibfabricDomain>> open(const std::string& provider, int nics,
-                                                              const std::vector<std::string>& sources, bool hmem) {
-        std::vector<std::unique_ptr<LibfabricDomain>> domains;
+    // (there is a GPU whose memory to register). ``ipc_device``: >= 0: carry CUDA memory over
+    // CUDA IPC, with that device's primary context (fabric/cuda_ipc.hpp).
+    static std::vector<std::unique_ptr<Domain>> open(const std::string& provider, int nics,
+                                                     const std::vector<std::string>& sources, bool hmem,
+                                                     int ipc_device) {
+        std::vector<std::unique_ptr<Domain>> domains;
         for (int i = 0; i < nics; i++)
-            domains.push_back(std::make_unique<LibfabricDomain>(
-                provider, i, 4096, size_t(i) < sources.size() ? sources[size_t(i)] : std::string(), hmem));
+            domains.push_back(std::make_unique<Domain>(
+                ipc_device, provider, i, 4096, size_t(i) < sources.size() ? sources[size_t(i)] : std::string(), hmem));
         return domains;
     }
 
     fabric::efa::ProviderInfo info_;
+    bool cuda_ipc_;
 };
 
 // Cheap check: can fi_getinfo find an RDM endpoint with RMA and remote CQ data here?
@@ -90,6 +98,7 @@ std::optional<std::string> probe(const std::string& provider) {
 PYBIND11_MODULE(_efa, m) {
     m.doc() = "libfabric engine of fabric-efa (compiled)";
     static py::exception<LibfabricError> error(m, "LibfabricError", PyExc_RuntimeError);
+    static py::exception<fabric::cuda_ipc::IpcError> ipc_error(m, "CudaIpcError", PyExc_RuntimeError);
     fabric::bind_counter_table(m);
     m.def("probe", &probe, py::arg("provider"));
     m.def("close_address", [](py::bytes a) { fabric::fast::ClosedSet::instance().add(a); }, py::arg("address"));
@@ -102,9 +111,10 @@ PYBIND11_MODULE(_efa, m) {
     py::class_<EfaEngine> engine(m, "Engine", py::module_local());
     engine
         .def(py::init<const std::string&, int, std::optional<uint64_t>, int, size_t, size_t,
-                      const std::vector<std::string>&, bool>(),
+                      const std::vector<std::string>&, bool, int>(),
              py::arg("provider"), py::arg("nics"), py::arg("chaos_seed"), py::arg("cpu"), py::arg("recv_depth"),
-             py::arg("max_send"), py::arg("sources") = std::vector<std::string>(), py::arg("hmem") = false)
+             py::arg("max_send"), py::arg("sources") = std::vector<std::string>(), py::arg("hmem") = false,
+             py::arg("ipc_device") = -1)
         .def("provider_info", &EfaEngine::provider_info)
         .def("inject_nic_failure", &EfaEngine::inject_nic_failure, py::arg("nic"), py::arg("failed"),
              py::arg("seed") = 0);

@@ -172,7 +172,8 @@ def test_cuda_memory_is_claimed_only_where_a_device_registration_works(
         assert not ok and "CUDA" in why
     monkeypatch.setattr(cuda, "available", lambda: True)
     assert engine._probe_cuda(_Core(False), False) == (False, "the provider has no FI_HMEM")
-    monkeypatch.setattr(cuda, "device_buffer", lambda n: contextlib.nullcontext(0xD000))
+    monkeypatch.setattr(cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda, "device_buffer", lambda n, device=0: contextlib.nullcontext(0xD000))
     core = _Core(True)
     ok, why = engine._probe_cuda(core, True)
     assert (
@@ -183,6 +184,9 @@ def test_cuda_memory_is_claimed_only_where_a_device_registration_works(
     core = _Core(False)
     assert engine._probe_cuda(core, True) == (True, "")
     assert core.calls == [("register", 0xD000, 4096, True), ("deregister", 7)]
+    # carried over CUDA IPC by the engine itself: no FI_HMEM needed, the probe still decides
+    assert engine._probe_cuda(_Core(False), False, True) == (True, "")
+    assert not engine._probe_cuda(_Core(True), False, True)[0]
 
 
 @pytest.mark.parametrize("provider", ["shm", "tcp;ofi_rxm"])
@@ -192,8 +196,42 @@ def test_fabric_info_says_why_an_engine_carries_no_cuda_memory(provider: str) ->
     e = registry.open_engine("efa", efa_provider=provider)
     try:
         verdict = str(e.domains[0].details["cuda_memory"])
-        assert verdict == "yes" if e.capabilities.cuda_memory else verdict.startswith("no: ")
+        assert verdict.startswith("yes") if e.capabilities.cuda_memory else verdict.startswith("no: ")
         if not cuda.available():
             assert not e.capabilities.cuda_memory
     finally:
         e.close()
+
+
+def test_an_address_with_a_cuda_ipc_part_reaches_host_memory_from_an_engine_without_cuda_ipc() -> None:
+    """On a GPU host, shm engines append a CUDA IPC part to their addresses (doorbell address
+    and key, handle-table name, inner length, magic: fabric/cuda_ipc.hpp). An engine without
+    CUDA IPC (no GPU, or efa_cuda_ipc off) strips it and reaches the host memory behind it
+    through shm, exact bytes and exact counts."""
+    import struct
+
+    import numpy as np
+
+    from fabric_core.models import DomainAddress, NicKey
+
+    a = registry.open_engine("efa", efa_provider="shm", efa_cuda_ipc=False)
+    b = registry.open_engine("efa", efa_provider="shm", efa_cuda_ipc=False)
+    try:
+        src = np.arange(8192, dtype=np.uint8)
+        dst = np.zeros(8192, np.uint8)
+        mr, desc = a.register(src), b.register(dst).descriptor
+        inner = desc.nics[0].address.raw
+        assert not inner.endswith(b"FABRIPC1")  # no IPC part without CUDA IPC
+        part = struct.pack("<QQ32sH", 0x1000, 1 << 47, b"/fabric-ipc-1-00000000", len(inner)) + b"FABRIPC1"
+        forged = desc.model_copy(
+            update={"nics": (NicKey(address=DomainAddress(raw=inner + part), rkey=desc.nics[0].rkey),)}
+        )
+        a.submit_write(mr, 100, 5000, forged, 7, imm=5).wait(10)
+        b.counter(5).wait(1, timeout=10)
+        want = np.zeros(8192, np.uint8)
+        want[7:5007] = src[100:5100]
+        assert np.array_equal(dst, want)
+        assert b.counter(5).value == 0
+    finally:
+        a.close()
+        b.close()

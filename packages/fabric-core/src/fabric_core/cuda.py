@@ -38,6 +38,7 @@ __all__ = [
     "available",
     "check_device_span",
     "copy",
+    "current_device",
     "device_buffer",
     "mapped_words",
     "pointer_device",
@@ -80,6 +81,7 @@ class _Driver:
         lib.cuStreamCreate.argtypes = [ctypes.POINTER(_vp), ctypes.c_uint]
         lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(_vp)]
         lib.cuCtxSetCurrent.argtypes = [_vp]
+        lib.cuCtxGetDevice.argtypes = [ctypes.POINTER(ctypes.c_int)]
         lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(_vp), ctypes.c_int]
         lib.cuMemHostAlloc.argtypes = [ctypes.POINTER(_vp), ctypes.c_size_t, ctypes.c_uint]
         lib.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(_u64), _vp, ctypes.c_uint]
@@ -178,6 +180,19 @@ def unavailable_reason() -> str | None:
     except CapabilityError as exc:
         return str(exc)
     return None
+
+
+def current_device() -> int:
+    """The device of this thread's current CUDA context (``torch.cuda.set_device`` makes
+    one current), or 0 where none is."""
+    drv = _get()
+    cur = _vp()
+    drv.check("cuCtxGetCurrent", drv.lib.cuCtxGetCurrent(ctypes.byref(cur)))
+    if not cur.value:
+        return 0
+    ordinal = ctypes.c_int(0)
+    drv.check("cuCtxGetDevice", drv.lib.cuCtxGetDevice(ctypes.byref(ordinal)))
+    return int(ordinal.value)
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,6 +74,12 @@ class FabricSettings(BaseSettings):
         "(providers that bind to an IP interface, as tcp: one interface per NIC). Default: "
         "the provider's choice.",
     )
+    efa_cuda_ipc: bool = Field(
+        True,
+        description="On one host (provider 'shm'), carry CUDA memory between processes with "
+        "CUDA IPC copies (NVLink or the GPU's copy engines) on the engine's own stream; the imm "
+        "follows through the provider once the bytes are in place.",
+    )
     worker_cpu: int | None = Field(
         None, description="Pin the engine's worker thread to this CPU (compiled backends)."
     )

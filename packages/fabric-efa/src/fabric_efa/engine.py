@@ -53,17 +53,18 @@ def _details(info: dict[str, Any]) -> dict[str, str | int | bool]:
     }
 
 
-def _probe_cuda(core: Any, hmem: bool) -> tuple[bool, str]:
+def _probe_cuda(core: Any, hmem: bool, ipc: bool = False) -> tuple[bool, str]:
     """Whether CUDA memory registers on this provider, and why not. A provider may report
     FI_HMEM from a libfabric built without CUDA (its registrations then fail with ENOSYS):
     one registration of a small device buffer at open tells, so that ``cuda_memory`` is
-    true only where it works and CUDA tensors are refused at registration elsewhere."""
+    true only where it works and CUDA tensors are refused at registration elsewhere.
+    ``ipc``: the engine carries CUDA memory over CUDA IPC itself (fabric/cuda_ipc.hpp)."""
     if not cuda.available():
         return False, cuda.unavailable_reason() or "no CUDA GPU"
-    if not hmem:
+    if not hmem and not ipc:
         return False, "the provider has no FI_HMEM"
     try:
-        with cuda.device_buffer(4096) as ptr:
+        with cuda.device_buffer(4096, cuda.current_device()) as ptr:
             handle, _keys = core.register_memory(ptr, 4096, True)
             core.deregister(handle)
     except RuntimeError as exc:
@@ -82,6 +83,8 @@ class EfaEngine(NativeEngine):
             raise ConfigError(
                 f"efa_nic_addrs names {len(sources)} address(es) for {nics} NIC(s): give one per NIC"
             )
+        # One host (shm): CUDA memory over CUDA IPC, which the provider then need not carry.
+        ipc = provider == "shm" and settings.efa_cuda_ipc and cuda.available()
         try:
             core = _efa.Engine(
                 provider,
@@ -91,7 +94,8 @@ class EfaEngine(NativeEngine):
                 settings.recv_depth,
                 settings.max_send_size + HEADER_BYTES,
                 sources,
-                cuda.available(),  # FI_HMEM only where there is GPU memory to register
+                cuda.available() and not ipc,  # FI_HMEM only where there is GPU memory to register
+                cuda.current_device() if ipc else -1,
             )
         except RuntimeError as exc:
             raise BackendUnavailable(
@@ -102,8 +106,9 @@ class EfaEngine(NativeEngine):
         max_msg = int(info["max_msg_size"]) or (1 << 30)
         max_msg = min(max_msg, 1 << 62, settings.max_msg_size or (1 << 62))
         details = _details(info)
-        cuda_ok, why = _probe_cuda(core, bool(info["hmem"]))
-        details["cuda_memory"] = "yes" if cuda_ok else f"no: {why}"
+        cuda_ok, why = _probe_cuda(core, bool(info["hmem"]), bool(info["cuda_ipc"]))
+        carried = "yes (CUDA IPC)" if info["cuda_ipc"] else "yes"
+        details["cuda_memory"] = carried if cuda_ok else f"no: {why}"
         for a in core.addresses():  # an address can be reused
             _efa.reopen_address(a)
         super().__init__(

@@ -1,5 +1,6 @@
-// The few CUDA driver calls that registering GPU memory needs, loaded at run time; shared by
-// the compiled backends (fabric-efa: FI_HMEM_CUDA registrations; fabric-verbs: DMA-BUF).
+// The few CUDA driver calls fabric's native code needs, loaded at run time; shared by the
+// compiled backends (fabric-efa: FI_HMEM_CUDA registrations; fabric-verbs: DMA-BUF; the CUDA
+// IPC domain of fabric/cuda_ipc.hpp: IPC handles, copies on its own stream, events).
 //
 // The backends build and run without CUDA: libcuda.so.1 is opened (dlopen) the first time
 // memory is registered, and only these entry points are used: is a pointer device memory and
@@ -12,11 +13,22 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <type_traits>
 
 namespace fabric::cuda {
 
 using CUresult = int;
 using CUdeviceptr = unsigned long long;
+using CUcontext = void*;
+using CUstream = void*;
+using CUevent = void*;
+struct IpcMemHandle {  // CUipcMemHandle
+    char reserved[64];
+};
+constexpr CUresult kNotReady = 600;              // CUDA_ERROR_NOT_READY
+constexpr unsigned kStreamNonBlocking = 1;       // CU_STREAM_NON_BLOCKING
+constexpr unsigned kEventDisableTiming = 2;      // CU_EVENT_DISABLE_TIMING
+constexpr unsigned kIpcLazyEnablePeerAccess = 1; // CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
 constexpr int kPointerAttributeMemoryType = 2;  // CU_POINTER_ATTRIBUTE_MEMORY_TYPE
 constexpr int kPointerAttributeDeviceOrdinal = 9;  // CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
 constexpr unsigned kMemoryTypeDevice = 2;        // CU_MEMORYTYPE_DEVICE
@@ -28,12 +40,37 @@ struct Driver {
     CUresult (*mem_get_address_range)(CUdeviceptr*, size_t*, CUdeviceptr) = nullptr;
     CUresult (*mem_get_handle_for_address_range)(void*, CUdeviceptr, size_t, int, unsigned long long) = nullptr;
     CUresult (*get_error_string)(CUresult, const char**) = nullptr;
+    // The CUDA IPC domain's (all null where the driver lacks any of them: ipc() is false).
+    CUresult (*init)(unsigned) = nullptr;
+    CUresult (*device_get)(int*, int) = nullptr;
+    CUresult (*primary_ctx_retain)(CUcontext*, int) = nullptr;
+    CUresult (*primary_ctx_release)(int) = nullptr;
+    CUresult (*ctx_get_current)(CUcontext*) = nullptr;
+    CUresult (*ctx_push)(CUcontext) = nullptr;
+    CUresult (*ctx_pop)(CUcontext*) = nullptr;
+    CUresult (*stream_create)(CUstream*, unsigned) = nullptr;
+    CUresult (*stream_destroy)(CUstream) = nullptr;
+    CUresult (*stream_synchronize)(CUstream) = nullptr;
+    CUresult (*event_create)(CUevent*, unsigned) = nullptr;
+    CUresult (*event_record)(CUevent, CUstream) = nullptr;
+    CUresult (*event_query)(CUevent) = nullptr;
+    CUresult (*event_destroy)(CUevent) = nullptr;
+    CUresult (*memcpy_async)(CUdeviceptr, CUdeviceptr, size_t, CUstream) = nullptr;
+    CUresult (*ipc_get_mem_handle)(IpcMemHandle*, CUdeviceptr) = nullptr;
+    CUresult (*ipc_open_mem_handle)(CUdeviceptr*, IpcMemHandle, unsigned) = nullptr;
+    CUresult (*ipc_close_mem_handle)(CUdeviceptr) = nullptr;
 
     static const Driver& get() {
         static Driver d = load();
         return d;
     }
     bool present() const { return pointer_get_attribute != nullptr; }
+    bool ipc() const {
+        return present() && mem_get_address_range && init && device_get && primary_ctx_retain &&
+               primary_ctx_release && ctx_get_current && ctx_push && ctx_pop && stream_create && stream_destroy &&
+               stream_synchronize && event_create && event_record && event_query && event_destroy && memcpy_async &&
+               ipc_get_mem_handle && ipc_open_mem_handle && ipc_close_mem_handle;
+    }
 
     std::string error(CUresult rc) const {
         const char* s = nullptr;
@@ -52,6 +89,26 @@ struct Driver {
         d.mem_get_handle_for_address_range =
             reinterpret_cast<decltype(d.mem_get_handle_for_address_range)>(sym("cuMemGetHandleForAddressRange"));
         d.get_error_string = reinterpret_cast<decltype(d.get_error_string)>(sym("cuGetErrorString"));
+        auto load_as = [&](auto& fn, const char* name) { fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(sym(name)); };
+        load_as(d.init, "cuInit");
+        load_as(d.device_get, "cuDeviceGet");
+        load_as(d.primary_ctx_retain, "cuDevicePrimaryCtxRetain");
+        load_as(d.primary_ctx_release, "cuDevicePrimaryCtxRelease_v2");
+        if (!d.primary_ctx_release) load_as(d.primary_ctx_release, "cuDevicePrimaryCtxRelease");
+        load_as(d.ctx_get_current, "cuCtxGetCurrent");
+        load_as(d.ctx_push, "cuCtxPushCurrent_v2");
+        load_as(d.ctx_pop, "cuCtxPopCurrent_v2");
+        load_as(d.stream_create, "cuStreamCreate");
+        load_as(d.stream_destroy, "cuStreamDestroy_v2");
+        load_as(d.stream_synchronize, "cuStreamSynchronize");
+        load_as(d.event_create, "cuEventCreate");
+        load_as(d.event_record, "cuEventRecord");
+        load_as(d.event_query, "cuEventQuery");
+        load_as(d.event_destroy, "cuEventDestroy_v2");
+        load_as(d.memcpy_async, "cuMemcpyAsync");
+        load_as(d.ipc_get_mem_handle, "cuIpcGetMemHandle");
+        load_as(d.ipc_open_mem_handle, "cuIpcOpenMemHandle_v2");
+        load_as(d.ipc_close_mem_handle, "cuIpcCloseMemHandle");
         return d;
     }
 };
