@@ -240,9 +240,10 @@ def ceiling(session: nox.Session) -> None:
 
 @nox.session(venv_params=["--system-site-packages"])
 def gpu(session: nox.Session) -> None:
-    """On a machine with a CUDA GPU: the GPU tests (tests/gpu), then the one-GPU benchmark
-    (benchmarks/gpu_bench.py → bench-results/gpu.json and .png). torch comes from the
-    machine's own site-packages (its CUDA build: the pinned CPU build of CI would not do)."""
+    """On a machine with a CUDA GPU: the GPU tests (tests/gpu), then the GPU benchmarks
+    (benchmarks/gpu_bench.py → bench-results/gpu.json and .png; gpu_apps.py → apps.json;
+    gpu_per_wr.py → per-wr.txt). torch comes from the machine's own site-packages (its CUDA
+    build: the pinned CPU build of CI would not do)."""
     _system_packages(session, "libfabric-dev", "g++", "cmake", "pkg-config")
     session.install(*[a for pkg in PACKAGES for a in ("-e", pkg)], "pytest", "hypothesis", "matplotlib")
     session.install("pybind11", "scikit-build-core")
@@ -253,6 +254,9 @@ def gpu(session: nox.Session) -> None:
     session.run(
         "python", "benchmarks/gpu_bench.py", "--out", str(out / "gpu.json"), "--plot", str(out / "gpu.png")
     )
+    session.run("python", "benchmarks/gpu_apps.py", "--out", str(out / "apps.json"))
+    with open(out / "per-wr.txt", "w") as f:
+        session.run("python", "benchmarks/gpu_per_wr.py", stdout=f)
 
 
 @nox.session(name="efa-bench")

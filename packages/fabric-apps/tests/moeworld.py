@@ -3,7 +3,6 @@ process), routings, a row-wise expert function, bitwise checks and exact imm acc
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -11,6 +10,7 @@ from typing import Any, TypeVar
 import torch
 
 from fabric_apps.moe import DispatchResult, MoeAllToAll, MoeConfig, Phase, moe_imm
+from fabric_core.testing.ranks import run_ranks, unwrap_ranks
 from fabric_sim import SimEngine, SimFabric
 
 T = 10.0  # every wait in these tests is bounded by this many seconds
@@ -74,31 +74,12 @@ def random_inputs(
 
 
 def parallel(fn: Callable[[int], R], n: int, timeout: float = 3 * T) -> list[R | BaseException]:
-    """Run ``fn(rank)`` for every rank in its own thread; each result or the exception it
-    raised. Fails the test if any thread is still running after ``timeout`` (a hang)."""
-    out: list[Any] = [None] * n
-
-    def run(r: int) -> None:
-        try:
-            out[r] = fn(r)
-        except BaseException as exc:
-            out[r] = exc
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(n)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout)
-    hung = [r for r, th in enumerate(threads) if th.is_alive()]
-    assert not hung, f"ranks {hung} still running after {timeout} s"
-    return out
+    """Run ``fn(rank)`` for every rank in its own thread (a hang fails the test)."""
+    return run_ranks(fn, n, timeout)
 
 
 def unwrap(results: Sequence[R | BaseException]) -> list[R]:
-    for r, res in enumerate(results):
-        if isinstance(res, BaseException):
-            raise AssertionError(f"rank {r} failed: {type(res).__name__}: {res}") from res
-    return list(results)  # type: ignore[arg-type]
+    return unwrap_ranks(results)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

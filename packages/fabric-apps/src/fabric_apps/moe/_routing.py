@@ -116,7 +116,7 @@ def group_received(
     m, k, le = m[order], k[order], le[order]
     experts = config.local_experts(rank)
     return DispatchResult(
-        tokens=hidden.index_select(0, rows[m]),
+        tokens=hidden.index_select(0, rows[m].to(hidden.device)),  # the records may live on a GPU
         expert_counts=torch.bincount(le, minlength=len(experts)),
         experts=experts,
         src_rank=src_rank[m],

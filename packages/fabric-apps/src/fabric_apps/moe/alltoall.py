@@ -180,6 +180,13 @@ class MoeAllToAll:
         self._send_combine_mr = reg(self._send_combine, False)
         self._recv_combine_mr = reg(self._recv_combine, True)
 
+    def _buffers_ready(self) -> None:
+        """GPU buffers: what the current stream queued into them must be done before the
+        transport reads them (a NIC, or a CUDA IPC copy on the engine's own stream, waits for
+        no stream of ours). Host buffers: nothing to wait for."""
+        if self._send_records.is_cuda:
+            torch.cuda.current_stream(self._send_records.device).synchronize()
+
     def _register(self, tensor: torch.Tensor, writable: bool) -> MemoryRegion:
         region = self.engine.register(tensor, writable=writable)
         self._regions.append(region)
@@ -473,6 +480,7 @@ class MoeAllToAll:
             self._idx, self._weights = idx, weights
             self._pairs_from = torch.bincount(pair_rank[pair_rank >= 0], minlength=c.world_size)
             me, rec, eng = c.rank, c.record_bytes, self.engine
+            self._buffers_ready()
             xfers = self._dispatch_xfers
             xfers.append(
                 eng.submit_scatter(
@@ -498,6 +506,7 @@ class MoeAllToAll:
                 self._send_tokens.index_copy_(
                     0, slot.to(dev), self._send_records.index_select(0, tok.to(dev))
                 )
+                self._buffers_ready()
             imm = moe_imm(self.layer, self._step, Phase.DISPATCH, me)
             for q, p in enumerate(self._peers):
                 n = int(per_rank[q])
@@ -586,6 +595,7 @@ class MoeAllToAll:
             self._drain(self._combine_xfers, deadline)
             if self._rows and not (y.is_contiguous() and y.data_ptr() == self._send_combine.data_ptr()):
                 self._send_combine[: self._rows].copy_(y)
+            self._buffers_ready()
             tb, eng, me = c.token_bytes, self.engine, c.rank
             imm = moe_imm(self.layer, self._step, Phase.COMBINE, me)
             for r, p in enumerate(self._peers):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -46,7 +47,12 @@ class DispatchResult:
         torch.cumsum(self.expert_counts, 0, out=out[1:])
         return out
 
+    @cached_property
+    def _bounds(self) -> tuple[int, ...]:
+        # the offsets as plain ints, once: expert_block is called once per local expert
+        return tuple(int(x) for x in self.expert_offsets)
+
     def expert_block(self, j: int) -> torch.Tensor:
         """The rows of local expert ``experts[j]`` (a view of ``tokens``)."""
-        off = self.expert_offsets
-        return self.tokens[int(off[j]) : int(off[j + 1])]
+        off = self._bounds
+        return self.tokens[off[j] : off[j + 1]]

@@ -56,6 +56,9 @@ struct Driver {
     CUresult (*event_query)(CUevent) = nullptr;
     CUresult (*event_destroy)(CUevent) = nullptr;
     CUresult (*memcpy_async)(CUdeviceptr, CUdeviceptr, size_t, CUstream) = nullptr;
+    // typed copies (optional): they skip the pointer lookups of the generic one
+    CUresult (*memcpy_dtod_async)(CUdeviceptr, CUdeviceptr, size_t, CUstream) = nullptr;
+    CUresult (*memcpy_htod_async)(CUdeviceptr, const void*, size_t, CUstream) = nullptr;
     CUresult (*ipc_get_mem_handle)(IpcMemHandle*, CUdeviceptr) = nullptr;
     CUresult (*ipc_open_mem_handle)(CUdeviceptr*, IpcMemHandle, unsigned) = nullptr;
     CUresult (*ipc_close_mem_handle)(CUdeviceptr) = nullptr;
@@ -106,6 +109,8 @@ struct Driver {
         load_as(d.event_query, "cuEventQuery");
         load_as(d.event_destroy, "cuEventDestroy_v2");
         load_as(d.memcpy_async, "cuMemcpyAsync");
+        load_as(d.memcpy_dtod_async, "cuMemcpyDtoDAsync_v2");
+        load_as(d.memcpy_htod_async, "cuMemcpyHtoDAsync_v2");
         load_as(d.ipc_get_mem_handle, "cuIpcGetMemHandle");
         load_as(d.ipc_open_mem_handle, "cuIpcOpenMemHandle_v2");
         load_as(d.ipc_close_mem_handle, "cuIpcCloseMemHandle");

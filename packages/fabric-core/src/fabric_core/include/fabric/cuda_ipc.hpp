@@ -12,8 +12,9 @@
 // - A write to such a key looks the key up in the peer's table (mapped read-only on first
 //   use, entries read under a sequence lock and cached until the slot changes), opens the
 //   allocation's handle once (cached; a peer in this same process is written directly), checks
-//   the range, and copies with cuMemcpyAsync on this domain's own non-blocking stream, then
-//   records an event. Nothing of the caller's streams waits on it, or it on them.
+//   the range, and copies (cuMemcpyDtoDAsync / HtoD) on this domain's own non-blocking
+//   stream. Nothing of the caller's streams waits on it, or it on them. The next poll records
+//   one event for every copy queued since: a driver call per copy, not three.
 // - poll() finds the finished copies (events, in order: one stream) and only then delivers the
 //   imm: a zero-length write-with-imm through the inner domain to the peer's doorbell (a tiny
 //   host region registered at open and named in the address). The imm is counted by the
@@ -265,17 +266,24 @@ class CudaIpcDomain : public Inner {
         }
         const cuda::Driver& d = cuda::Driver::get();
         ContextScope scope(ctx_);
-        int rc = d.memcpy_async(dst, reinterpret_cast<cuda::CUdeviceptr>(w.src), w.len, stream_);
-        cuda::CUevent ev = rc == 0 ? take_event() : nullptr;
-        if (rc == 0 && !ev) rc = -1;
-        if (rc == 0) rc = d.event_record(ev, stream_);
+        auto from = reinterpret_cast<cuda::CUdeviceptr>(w.src);
+        int rc;
+        if (src && src->slot >= 0 && d.memcpy_dtod_async) {
+            rc = d.memcpy_dtod_async(dst, from, w.len, stream_);
+        } else if (src && src->slot < 0 && d.memcpy_htod_async) {
+            rc = d.memcpy_htod_async(dst, w.src, w.len, stream_);
+        } else {
+            rc = d.memcpy_async(dst, from, w.len, stream_);
+        }
         if (rc != 0) {
-            if (ev) events_.push_back(ev);
             later(ctx, kTransport, "CUDA IPC: cuMemcpyAsync: " + d.error(rc));
             return 0;
         }
-        inflight_.push_back(Copy{ev, ctx, w.peer, p.doorbell_addr, p.doorbell_key, w.imm, w.has_imm,
+        // No event per copy: the next poll records one for every copy queued since (one
+        // stream: when it completes, they all have).
+        inflight_.push_back(Copy{ctx, w.peer, p.doorbell_addr, p.doorbell_key, w.imm, w.has_imm,
                                  p.same_process ? 0 : int(p.table->pid)});
+        unmarked_++;
         busy_.fetch_add(1, std::memory_order_release);
         return 0;
     }
@@ -305,12 +313,15 @@ class CudaIpcDomain : public Inner {
         std::unordered_map<uint64_t, Cached> keys;
     };
     struct Copy {
-        cuda::CUevent event;
         void* ctx;
         uint64_t peer, doorbell_addr, doorbell_key;
         uint32_t imm;
         bool has_imm;
         int pid;  // the peer's process (0: this one)
+    };
+    struct Mark {  // an event recorded after the copies before it
+        cuda::CUevent event;  // null: the stream was synchronized instead (no event to be had)
+        size_t copies;
     };
     struct Later {
         void* ctx;
@@ -379,13 +390,16 @@ class CudaIpcDomain : public Inner {
             {
                 ContextScope scope(ctx_);
                 d.stream_synchronize(stream_);
-                for (auto& c : inflight_) d.event_destroy(c.event);
+                for (auto& m : marks_)
+                    if (m.event) d.event_destroy(m.event);
                 for (auto ev : events_) d.event_destroy(ev);
                 for (auto& [handle, o] : opened_) d.ipc_close_mem_handle(o.base);
                 for (auto base : closing_) d.ipc_close_mem_handle(base);
                 d.stream_destroy(stream_);
             }
             inflight_.clear();
+            marks_.clear();
+            unmarked_ = 0;
             events_.clear();
             opened_.clear();
             closing_.clear();
@@ -665,17 +679,31 @@ class CudaIpcDomain : public Inner {
             const cuda::Driver& d = cuda::Driver::get();
             if (!inflight_.empty() || !closing_.empty()) {
                 ContextScope scope(ctx_);
-                while (!inflight_.empty()) {
-                    int q = d.event_query(inflight_.front().event);
+                if (unmarked_ > 0) {
+                    cuda::CUevent ev = take_event();
+                    if (ev && d.event_record(ev, stream_) != 0) {
+                        events_.push_back(ev);
+                        ev = nullptr;
+                    }
+                    if (!ev) d.stream_synchronize(stream_);  // no event to be had: wait here
+                    marks_.push_back(Mark{ev, unmarked_});
+                    unmarked_ = 0;
+                }
+                while (!marks_.empty()) {
+                    Mark m = marks_.front();
+                    int q = m.event ? d.event_query(m.event) : 0;
                     if (q == cuda::kNotReady) break;
-                    Copy c = inflight_.front();
-                    inflight_.pop_front();
-                    busy_.fetch_sub(1, std::memory_order_release);
-                    events_.push_back(c.event);
-                    if (q == 0) {
-                        finished.push_back(c);
-                    } else {
-                        failed.emplace_back(c, q);
+                    marks_.pop_front();
+                    if (m.event) events_.push_back(m.event);
+                    for (size_t i = 0; i < m.copies; i++) {
+                        Copy c = inflight_.front();
+                        inflight_.pop_front();
+                        busy_.fetch_sub(1, std::memory_order_release);
+                        if (q == 0) {
+                            finished.push_back(c);
+                        } else {
+                            failed.emplace_back(c, q);
+                        }
                     }
                 }
                 if (inflight_.empty() && !closing_.empty()) {
@@ -764,7 +792,9 @@ class CudaIpcDomain : public Inner {
     std::unordered_map<uint64_t, Peer> peers_;
     std::unordered_map<std::string, Opened> opened_;
     std::vector<cuda::CUdeviceptr> closing_;
-    std::deque<Copy> inflight_;
+    std::deque<Copy> inflight_;  // in stream order; the first ones covered by marks_
+    std::deque<Mark> marks_;
+    size_t unmarked_ = 0;        // copies at the back of inflight_ no mark covers yet
     std::vector<cuda::CUevent> events_;
     std::vector<Later> later_;
     std::vector<Notify> retry_;
