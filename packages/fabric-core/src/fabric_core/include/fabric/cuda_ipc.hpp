@@ -230,6 +230,7 @@ class CudaIpcDomain : public Inner {
         const Region* src = static_cast<const Region*>(w.desc);
         if (!(w.rkey & kIpcKeyBit)) {
             if (src && src->slot >= 0 && w.len) {
+                std::lock_guard<std::mutex> lock(mu_);
                 later(ctx, kRemoteAccess,
                       "CUDA IPC: a CUDA source is written only into the peer's CUDA memory (this key is "
                       "host memory there)");
@@ -635,7 +636,7 @@ class CudaIpcDomain : public Inner {
         return ev;
     }
 
-    void later(void* ctx, int32_t status, std::string message) {
+    void later(void* ctx, int32_t status, std::string message) {  // mu_ held
         later_.push_back(Later{ctx, status, std::move(message)});
         busy_.fetch_add(1, std::memory_order_release);
     }
