@@ -186,7 +186,7 @@ class CudaIpcDomain : public Inner {
             std::lock_guard<std::mutex> lock(mu_);
             auto it = peers_.find(handle);
             if (it == peers_.end() || it->second.table_name != p.table_name) {
-                if (it != peers_.end()) drop_peer(it->second);
+                if (it != peers_.end()) unmap(it->second);
                 peers_[handle] = std::move(p);
             }
         }
@@ -199,7 +199,7 @@ class CudaIpcDomain : public Inner {
         std::lock_guard<std::mutex> lock(mu_);
         auto it = peers_.find(peer);
         if (it == peers_.end()) return;
-        drop_peer(it->second);
+        unmap(it->second);
         peers_.erase(it);
     }
 
@@ -611,8 +611,6 @@ class CudaIpcDomain : public Inner {
         p.table = nullptr;
     }
 
-    void drop_peer(Peer& p) { unmap(p); }
-
     // A cached key let go: its allocation's mapping is closed once nothing uses it and no
     // copy is in flight (closing under a copy would fault it).
     void forget(typename Peer::Cached& c) {
@@ -727,9 +725,15 @@ class CudaIpcDomain : public Inner {
             sink.on_error(c.ctx, kTransport, "CUDA IPC: the copy failed: " + cuda::Driver::get().error(q));
             n++;
         }
+        int checked_pid = -1;  // one liveness check per peer process per poll, not per copy
+        bool gone = false;
         for (auto& c : finished) {
             n++;
-            if (process_gone(c.pid)) {
+            if (c.pid != checked_pid) {
+                checked_pid = c.pid;
+                gone = process_gone(c.pid);
+            }
+            if (gone) {
                 sink.on_error(c.ctx, kPeerUnreachable,
                               "CUDA IPC: the peer's process (pid " + std::to_string(c.pid) + ") is gone");
                 continue;
