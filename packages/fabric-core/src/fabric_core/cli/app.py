@@ -8,6 +8,7 @@ import click
 
 from ..registry import installed_backends
 from .bench import bench
+from .bench_moe import bench_moe
 from .demo import demo
 from .info import info
 from .sim import sim
@@ -44,7 +45,8 @@ def main(log_level: str) -> None:
 
     \b
     fabric info    what is installed and usable here, and every FABRIC_* setting
-    fabric bench   latency / bandwidth sweep between two engines (the simulator if no RDMA)
+    fabric bench   latency / bandwidth sweep between two engines (the simulator if no RDMA);
+                   fabric bench moe: MoE dispatch/combine against all_to_all_single
     fabric demo    a narrated tour of the contract on the simulator
     fabric sim     predicted times of the apps on a cluster model (moe, rl, kv, peak)
     """
@@ -52,6 +54,7 @@ def main(log_level: str) -> None:
 
 
 main.add_command(info)
+bench.add_command(bench_moe)
 main.add_command(bench)
 main.add_command(demo)
 main.add_command(sim)

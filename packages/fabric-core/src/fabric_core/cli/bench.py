@@ -788,6 +788,9 @@ def _sizes(sizes: tuple[int, ...] | None, min_size: int | None, max_size: int | 
     return tuple(chosen)
 
 
+_COMMANDLINE = click.core.ParameterSource.COMMANDLINE
+
+
 def _print_summary(report: BenchReport) -> None:
     paged = report.paged
     if paged is not None:
@@ -821,7 +824,7 @@ def _print_summary(report: BenchReport) -> None:
     click.echo(f"sweep took {report.duration_s:.1f} s")
 
 
-@click.command()
+@click.group(invoke_without_command=True, context_settings={"max_content_width": 110})
 @click.option(
     "--backend",
     metavar="NAME",
@@ -901,7 +904,9 @@ def _print_summary(report: BenchReport) -> None:
     help="Run the writer side against the bench server at HOST:PORT (the address it printed).  "
     "[default: start a server as a child process on this host]",
 )
+@click.pass_context
 def bench(
+    ctx: click.Context,
     backend: str | None,
     nics: int | None,
     sizes: tuple[int, ...] | None,
@@ -931,7 +936,18 @@ def bench(
     Wall-clock numbers are always reported. On the simulator with a link model, "sim" columns
     give the virtual clock: latency from post until both ends saw completion, bandwidth from
     the virtual time of the windows.
+
+    `fabric bench moe` measures the MoE app instead (its own options: `fabric bench moe -h`).
     """
+    if ctx.invoked_subcommand is not None:
+        given = [p.name for p in ctx.command.params if ctx.get_parameter_source(p.name or "") is _COMMANDLINE]
+        if given:
+            raise click.UsageError(
+                f"options before {ctx.invoked_subcommand!r} belong to the point-to-point sweep "
+                f"({', '.join('--' + (g or '').replace('_', '-') for g in given)}): "
+                f"give {ctx.invoked_subcommand}'s options after its name"
+            )
+        return
     try:
         settings = load_settings()
     except ConfigError as exc:
