@@ -71,7 +71,8 @@ def expected_imms(config: MoeConfig, inputs: Inputs, max_msg: int, nics: int) ->
             n_tokens, n_pairs = int(on_q.any(1).sum()), int(on_q.sum())
             if n_tokens:  # tokens r -> q: packed, one sharded write
                 total[q] += sharded_pieces(n_tokens * config.record_bytes, nics, max_msg)
-            total[r] += n_pairs * pieces(config.token_bytes, max_msg) if n_pairs else 1  # q -> r
+            # q -> r: the outputs, packed, one sharded write (an imm-only write if none)
+            total[r] += sharded_pieces(n_pairs * config.token_bytes, nics, max_msg) if n_pairs else 1
     return total
 
 
@@ -84,7 +85,7 @@ def expected_bytes(config: MoeConfig, inputs: Inputs, results: Sequence[Dispatch
         hits = torch.zeros(idx.shape[0], w, dtype=torch.bool)
         for q in range(w):
             hits[:, q] = ((idx >= 0) & (owner[idx.clamp(min=0)] == q)).any(1)
-        out.append(16 * w + int(hits.sum()) * config.record_bytes + results[r].num_rows * config.token_bytes)
+        out.append(32 * w + int(hits.sum()) * config.record_bytes + results[r].num_rows * config.token_bytes)
     return out
 
 

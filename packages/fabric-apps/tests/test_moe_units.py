@@ -178,6 +178,39 @@ def test_weighted_sum_is_the_slot_by_slot_definition() -> None:
     assert torch.equal(got[0], torch.zeros(h, dtype=torch.bfloat16)) and not got.isnan().any()
 
 
+def test_weighted_sum_in_blocks_with_poisoned_skipped_slots_keeps_every_bit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Token blocks (the scratch bound, made tiny here), skipped slots holding inf, nan and
+    a nan weight, and signed zeros: the same bits as the slot-by-slot definition; a float32
+    input is left as it was."""
+    import fabric_apps.moe._routing as routing
+
+    g = torch.Generator().manual_seed(1)
+    t, k, h = 11, 3, 5
+    y = torch.randn(t, k, h, generator=g)
+    y[2, 1] = -0.0  # a valid -0 product
+    w = torch.randn(t, k, generator=g)
+    idx = torch.randint(0, 8, (t, k), generator=g)
+    idx[3, 0], idx[7, 2], idx[10, :] = -1, -1, -1
+    y[3, 0], y[7, 2] = float("inf"), float("nan")
+    w[7, 2] = float("nan")
+    before = y.clone()
+    want = torch.zeros(t, h)
+    for i in range(t):
+        acc = torch.zeros(h)
+        for j in range(k):
+            if idx[i, j] >= 0:
+                acc = acc + y[i, j] * w[i, j]
+        want[i] = acc
+    for block in (1, 2 * k * h, 1 << 23):  # one token per block, two, all
+        monkeypatch.setattr(routing, "_SUM_BLOCK", block)
+        got = weighted_sum(y, w, idx, torch.float32)
+        assert torch.equal(bits(got), bits(want)), block
+        assert torch.equal(bits(y), bits(before))  # not written through
+    assert bool((bits(got[10]) == 0).all())  # +0.0, not -0.0
+
+
 def test_weighted_sum_order_matters_so_the_definition_is_needed() -> None:
     """Summing the same products in another order changes bits: the sum runs in ascending k,
     which is what makes a bitwise reference possible."""

@@ -18,7 +18,7 @@ __all__ = [
     "destinations",
     "group_received",
     "local_index_table",
-    "origin_pair_order",
+    "combine_positions",
     "weighted_sum",
 ]
 
@@ -126,14 +126,20 @@ def group_received(
     )
 
 
-def origin_pair_order(config: MoeConfig, idx: torch.Tensor, dest: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(t, k)`` of the slots of ``idx`` that rank ``dest`` serves, in the order ``dest``'s
-    ``DispatchResult`` lists them for this origin: by expert id, then token, then k."""
-    valid = idx >= 0
-    owner = torch.where(valid, config.rank_table()[idx.clamp(min=0)], torch.full_like(idx, -1))
-    t, k = (owner == dest).nonzero(as_tuple=True)
-    order = torch.argsort(idx[t, k], stable=True)
-    return t[order], k[order]
+def combine_positions(config: MoeConfig, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the combine brings back each ``(t, k)`` slot of ``idx``: ``(pos [T, K] int64,
+    pairs [W] int64)``. The origin's combine rows are packed by serving rank, ascending; rank
+    ``q``'s ``pairs[q]`` rows start at ``sum(pairs[:q])`` and come in the order ``q``'s
+    ``DispatchResult`` lists this origin's rows: by expert id, then token (a token names an
+    expert at most once). ``pos[t, k]`` is that slot's row; 0 for ``idx < 0`` (never read)."""
+    flat = idx.reshape(-1)
+    valid = (flat >= 0).nonzero().flatten()  # (t, k) row-major
+    experts = flat[valid]
+    owner = config.rank_table()[experts]
+    order = valid[torch.argsort(owner * config.num_experts + experts, stable=True)]
+    pos = torch.zeros(flat.numel(), dtype=torch.int64)
+    pos[order] = torch.arange(int(order.numel()), dtype=torch.int64)
+    return pos.view(idx.shape), torch.bincount(owner, minlength=config.world_size)
 
 
 def weighted_sum(
@@ -145,11 +151,24 @@ def weighted_sum(
 
     ``y`` is ``[T, K, H]``; slots with ``idx < 0`` are skipped (whatever they hold).
     """
-    t, k_count = int(idx.shape[0]), int(idx.shape[1])
-    acc = torch.zeros(t, int(y.shape[2]), dtype=torch.float32, device=y.device)
-    w = weights.to(y.device, torch.float32)
+    t, k_count, h = int(idx.shape[0]), int(idx.shape[1]), int(y.shape[2])
+    acc = torch.zeros(t, h, dtype=torch.float32, device=y.device)
     valid = (idx >= 0).to(y.device)
-    for k in range(k_count):
-        contrib = y[:, k, :].to(torch.float32) * w[:, k : k + 1]
-        acc = torch.where(valid[:, k : k + 1], acc + contrib, acc)
+    # a skipped slot contributes (+0) * (+0): adding +0 leaves every acc bit unchanged (acc is
+    # never -0: it starts at +0, and round-to-nearest sums to -0 only from two -0s)
+    w = torch.where(valid, weights.to(y.device, torch.float32), 0.0)
+    some_skipped = not bool(valid.all())
+    step = max(1, _SUM_BLOCK // max(1, k_count * h))  # tokens per block: bounded float32 scratch
+    for lo in range(0, t, step):
+        hi = min(t, lo + step)
+        prod = y[lo:hi].to(torch.float32, copy=True)  # [b, K, H], never a view of y
+        if some_skipped:
+            prod.masked_fill_(~valid[lo:hi, :, None], 0.0)  # whatever a skipped slot holds
+        prod.mul_(w[lo:hi, :, None])  # every product rounded on its own, as before any sum
+        block = acc[lo:hi]
+        for k in range(k_count):
+            block.add_(prod[:, k])
     return acc.to(dtype)
+
+
+_SUM_BLOCK = 1 << 23  # float32 elements of weighted_sum's scratch (32 MiB)

@@ -8,9 +8,10 @@ One instance per rank per buffer set. Each step is four calls, in order:
    destination, sharded over the NICs);
 2. ``dispatch_recv(timeout)``: wait, per source rank, for its count and then for exactly the
    work requests its payload write carries; return the tokens grouped by local expert;
-3. ``combine_send(expert_outputs)``: write each output row back to its token's origin, at
-   the origin's slot ``(token, k)`` (one paged write per origin; an imm-only write where a
-   rank has nothing for an origin, so every pair of ranks signals in every phase);
+3. ``combine_send(expert_outputs)``: write the output rows back to their tokens' origin,
+   packed (one write per origin, sharded over the NICs, at the rows the origin announced in
+   its count record; an imm-only write where a rank has nothing for an origin, so every pair
+   of ranks signals in every phase);
 4. ``combine_recv(timeout)``: wait, per rank, for exactly its writes; return the top-k
    weighted sum (``weighted_sum``: float32, ascending k).
 
@@ -31,7 +32,6 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
-import numpy as np
 import torch
 
 from fabric_core.api import TransferEngine
@@ -47,7 +47,6 @@ from fabric_core.errors import (
 from fabric_core.models import MemoryRegion
 from fabric_core.ops import (
     ImmRequest,
-    PagedWriteRequest,
     ScatterRequest,
     ScatterTarget,
     Sharded,
@@ -58,7 +57,7 @@ from fabric_core.ops import (
 from fabric_core.rendezvous import Rendezvous
 from fabric_core.transfer import Transfer
 
-from ._routing import check_inputs, destinations, group_received, weighted_sum
+from ._routing import check_inputs, combine_positions, destinations, group_received, weighted_sum
 from .config import MoeConfig
 from .endpoint import MoeEndpoint
 from .errors import MoeProtocolError, MoeStateError, StepAborted
@@ -72,16 +71,14 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 60.0
 """Deadline of a receive half (and of draining the previous step's sends) when none is given."""
 
-_COUNT_BYTES = 16  # one count record: int64 tokens, int64 step
+# one count record, origin -> destination q (int64 each): tokens sent to q, step, and where
+# in the origin's combine buffer q writes its rows back (first row, rows)
+_COUNT_BYTES = 32
 _IDLE, _DISPATCHED, _RECEIVED, _COMBINING = "idle", "dispatched", "received", "combining"
 
 # layer ids in use per engine: two live instances on one engine must not share imms
 _claims: weakref.WeakKeyDictionary[TransferEngine, set[int]] = weakref.WeakKeyDictionary()
 _claims_lock = threading.Lock()
-
-
-def _pages(n: int) -> np.ndarray[Any, np.dtype[np.int64]]:
-    return np.arange(n, dtype=np.int64)
 
 
 class MoeAllToAll:
@@ -145,9 +142,11 @@ class MoeAllToAll:
         self._idx = torch.empty(0, config.top_k, dtype=torch.int64)
         self._weights = torch.empty(0, config.top_k, dtype=torch.float32)
         self._pairs_from = torch.zeros(config.world_size, dtype=torch.int64)
+        self._combine_pos = torch.zeros(0, config.top_k, dtype=torch.int64)
         self._rows = 0
-        self._row_src_rank = torch.empty(0, dtype=torch.int64)
-        self._row_slot = torch.empty(0, dtype=torch.int64)
+        self._row_order = torch.empty(0, dtype=torch.int64)  # rows packed by origin rank
+        self._rows_to: list[int] = []  # rows per origin rank
+        self._rows_at: list[int] = []  # first row of each origin's in its combine buffer
 
     # --- buffers ------------------------------------------------------------------
     def _allocate(self) -> None:
@@ -155,8 +154,8 @@ class MoeAllToAll:
         w, t, k, h = c.world_size, c.max_tokens, c.top_k, c.hidden
         rec, meta = c.record_bytes, c.meta_bytes
         dev = torch.device(c.device)
-        self._send_counts = torch.zeros(w, 2, dtype=torch.int64, device=dev)
-        self._recv_counts = torch.zeros(w, 2, dtype=torch.int64, device=dev)
+        self._send_counts = torch.zeros(w, _COUNT_BYTES // 8, dtype=torch.int64, device=dev)
+        self._recv_counts = torch.zeros(w, _COUNT_BYTES // 8, dtype=torch.int64, device=dev)
         # the large buffers are sized for the worst case and never read before written: left
         # uninitialised, the host pages nobody touches are never backed (EP64 at H=7168 holds
         # ~0.6 GB of buffers per rank, of which a decode step touches a few percent)
@@ -166,7 +165,8 @@ class MoeAllToAll:
         self._send_tokens = torch.empty(w * t, rec, dtype=torch.uint8, device=dev)
         self._recv_tokens = torch.empty(w * t, rec, dtype=torch.uint8, device=dev)
         self._send_combine = torch.empty(max(1, c.max_pairs), h, dtype=c.dtype, device=dev)
-        self._recv_combine = torch.empty(t, k, h, dtype=c.dtype, device=dev)
+        # the origin's combine rows, packed by serving rank (combine_positions)
+        self._recv_combine = torch.empty(t * k, h, dtype=c.dtype, device=dev)
         # record views: int32 header (source token, K expert ids), then the hidden state
         self._send_meta = self._send_records[:, :meta].view(torch.int32)
         self._send_hidden = self._send_records[:, meta : meta + c.token_bytes].view(c.dtype)
@@ -293,15 +293,15 @@ class MoeAllToAll:
         return plan_request(request, sender.num_nics, sender.max_msg_size).imms_per_target[target]
 
     def _payload_imms(self, phase: Phase, source: int, pages: int) -> int:
-        """Imms of source's write of ``pages`` packed records (dispatch) or paged write of
-        ``pages`` rows (combine)."""
+        """Imms of source's write of ``pages`` packed records (dispatch) or ``pages`` packed
+        rows (combine)."""
         key = (int(phase), source, pages)
         hit = self._imm_cache.get(key)
         if hit is not None:
             return hit
         c, ep = self.config, self._peers[source]
         imm = moe_imm(self.layer, 0, phase, source)
-        request: WriteRequest | PagedWriteRequest | ImmRequest
+        request: WriteRequest | ImmRequest
         if phase == Phase.DISPATCH:
             rec = c.record_bytes
             request = WriteRequest(
@@ -309,10 +309,9 @@ class MoeAllToAll:
                 source * c.max_tokens * rec, imm, Sharded(),
             )  # fmt: skip
         elif pages:
-            tb = c.token_bytes
-            request = PagedWriteRequest(
-                self._recv_combine_mr, _pages(pages), tb, self._recv_combine_mr.descriptor, _pages(pages),
-                tb, tb, 0, 0, imm, Sharded(),
+            request = WriteRequest(
+                self._send_combine_mr, 0, pages * c.token_bytes, self._recv_combine_mr.descriptor, 0, imm,
+                Sharded(),
             )  # fmt: skip
         else:
             request = ImmRequest(self._recv_combine_mr.descriptor, imm)
@@ -470,15 +469,18 @@ class MoeAllToAll:
             self._committed = True  # from here on, buffers change and writes go out
             self._drain(self._dispatch_xfers, deadline)
             t = int(x.shape[0])
-            mask, pair_rank = destinations(c, idx)
+            mask, _ = destinations(c, idx)
             per_rank = mask.sum(0)
             self._send_meta[:t, 0] = torch.arange(t, dtype=torch.int32)
             self._send_meta[:t, 1 : 1 + c.top_k] = idx.to(torch.int32)
             self._send_hidden[:t].copy_(x)
+            pos, pairs = combine_positions(c, idx)
             self._send_counts[:, 0] = per_rank
             self._send_counts[:, 1] = self._step
+            self._send_counts[:, 2] = torch.cumsum(pairs, 0) - pairs
+            self._send_counts[:, 3] = pairs
             self._idx, self._weights = idx, weights
-            self._pairs_from = torch.bincount(pair_rank[pair_rank >= 0], minlength=c.world_size)
+            self._pairs_from, self._combine_pos = pairs, pos.to(self._recv_combine.device)
             me, rec, eng = c.rank, c.record_bytes, self.engine
             self._buffers_ready()
             xfers = self._dispatch_xfers
@@ -554,10 +556,20 @@ class MoeAllToAll:
             src_token, ids = meta[:, 0], meta[:, 1 : 1 + c.top_k]
             self._check_records(src_rank, src_token, ids)
             result = group_received(c, c.rank, src_rank, src_token, ids, self._recv_hidden, rows, n)
-            # the combine's plan: row i goes to rank src_rank[i], slot (token, k) of its buffer
+            # the combine's plan: the rows of each origin, packed, to the rows it announced
+            rows_to = torch.bincount(result.src_rank, minlength=w)
+            first_row, announced = counts[:, 2], counts[:, 3]
+            for r in range(w):
+                if int(announced[r]) != int(rows_to[r]):
+                    raise MoeProtocolError(
+                        f"rank {r} expects {int(announced[r])} combine rows from this rank, its tokens "
+                        f"make {int(rows_to[r])} here: the ranks disagree on placement"
+                    )
+                if int(first_row[r]) < 0 or int(first_row[r]) + int(rows_to[r]) > tmax * c.top_k:
+                    raise MoeProtocolError(f"rank {r} announced combine rows outside its buffer")
             self._rows = result.num_rows
-            self._row_src_rank = result.src_rank
-            self._row_slot = result.src_token * c.top_k + result.src_k
+            self._row_order = torch.argsort(result.src_rank, stable=True)
+            self._rows_to, self._rows_at = rows_to.tolist(), first_row.tolist()
             self._raise_failed_sends(self._dispatch_xfers)
             self._state = _RECEIVED
             return result
@@ -593,21 +605,29 @@ class MoeAllToAll:
             deadline = self._deadline(None)
             self._committed = True
             self._drain(self._combine_xfers, deadline)
-            if self._rows and not (y.is_contiguous() and y.data_ptr() == self._send_combine.data_ptr()):
-                self._send_combine[: self._rows].copy_(y)
+            if self._rows:
+                # pack by origin rank (inside each origin: expert id, then token, the order the
+                # origin's combine_positions expects); on a GPU, one gather kernel
+                order = self._row_order.to(y.device)
+                packed = self._send_combine[: self._rows]
+                if y.data_ptr() == self._send_combine.data_ptr():  # filled in place: copy first
+                    packed.copy_(y.index_select(0, order))
+                else:
+                    torch.index_select(y, 0, order, out=packed)
             self._buffers_ready()
             tb, eng, me = c.token_bytes, self.engine, c.rank
             imm = moe_imm(self.layer, self._step, Phase.COMBINE, me)
+            start = 0
             for r, p in enumerate(self._peers):
-                rows = (self._row_src_rank == r).nonzero().flatten()
-                if rows.numel():
-                    slots = self._row_slot[rows]
-                    xfer = eng.submit_paged_write(
-                        self._send_combine_mr, rows.numpy(), tb, p.combine, slots.numpy(), tb, tb,
+                n = self._rows_to[r]
+                if n:
+                    xfer = eng.submit_write(
+                        self._send_combine_mr, start * tb, n * tb, p.combine, self._rows_at[r] * tb,
                         imm=imm, routing=Sharded(),
                     )  # fmt: skip
                 else:  # nothing for this origin: one imm still says "this rank is done"
                     xfer = eng.submit_imm(p.combine, imm)
+                start += n
                 self._combine_xfers.append(xfer)
             self._state = _COMBINING
 
@@ -625,7 +645,8 @@ class MoeAllToAll:
             ]
             self._wait_all(Phase.COMBINE, wants, deadline, "expert outputs")
             t = int(self._idx.shape[0])
-            out = weighted_sum(self._recv_combine[:t], self._weights, self._idx, c.dtype)
+            y = self._recv_combine.index_select(0, self._combine_pos.reshape(-1))
+            out = weighted_sum(y.view(t, c.top_k, c.hidden), self._weights, self._idx, c.dtype)
             self._raise_failed_sends(self._combine_xfers)
             self._step += 1
             self._state = _IDLE

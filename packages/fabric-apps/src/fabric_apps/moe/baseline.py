@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from fabric_core.errors import ConfigError
 
-from ._routing import check_inputs, destinations, group_received, origin_pair_order, weighted_sum
+from ._routing import check_inputs, combine_positions, destinations, group_received, weighted_sum
 from .config import MoeConfig
 from .errors import MoeStateError
 from .result import DispatchResult
@@ -44,6 +44,7 @@ class CollectiveMoe:
         self._idx = torch.empty(0, config.top_k, dtype=torch.int64)
         self._weights = torch.empty(0, config.top_k, dtype=torch.float32)
         self._pairs_from = torch.zeros(config.world_size, dtype=torch.int64)
+        self._pos = torch.zeros(0, config.top_k, dtype=torch.int64)
         self._row_src_rank: torch.Tensor | None = None
 
     def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:
@@ -56,7 +57,7 @@ class CollectiveMoe:
         ``MoeAllToAll.dispatch_recv`` bit for bit."""
         c = self.config
         x, idx, weights = check_inputs(c, x, topk_idx, topk_weights)
-        mask, pair_rank = destinations(c, idx)
+        mask, _ = destinations(c, idx)
         per_rank = mask.sum(0)
         recv_counts = torch.empty_like(per_rank)
         self._a2a(recv_counts, per_rank, [1] * c.world_size, [1] * c.world_size)
@@ -81,7 +82,7 @@ class CollectiveMoe:
             recv_counts,
         )
         self._idx, self._weights = idx, weights
-        self._pairs_from = torch.bincount(pair_rank[pair_rank >= 0], minlength=c.world_size)
+        self._pos, self._pairs_from = combine_positions(c, idx)
         self._row_src_rank = result.src_rank
         return result
 
@@ -104,10 +105,7 @@ class CollectiveMoe:
         self._a2a(back, send, recv_splits, send_splits)
         rows = back.view(c.dtype)
         t = int(self._idx.shape[0])
-        y = torch.zeros(t, c.top_k, c.hidden, dtype=c.dtype)
-        start = 0
-        for q in range(c.world_size):
-            tt, kk = origin_pair_order(c, self._idx, q)
-            y[tt, kk] = rows[start : start + int(tt.numel())]
-            start += int(tt.numel())
+        if not rows.shape[0]:  # no slot of any token is served: every slot is skipped
+            rows = torch.zeros(1, c.hidden, dtype=c.dtype)
+        y = rows.index_select(0, self._pos.reshape(-1)).view(t, c.top_k, c.hidden)
         return weighted_sum(y, self._weights, self._idx, c.dtype)

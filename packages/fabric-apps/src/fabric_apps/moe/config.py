@@ -156,8 +156,8 @@ class MoeConfig:
         """Registered bytes per buffer of one rank (what ``MoeAllToAll`` allocates)."""
         w, t, k = self.world_size, self.max_tokens, self.top_k
         return {
-            "send_counts": w * 16,
-            "recv_counts": w * 16,
+            "send_counts": w * 32,
+            "recv_counts": w * 32,
             "send_tokens": w * t * self.record_bytes,
             "recv_tokens": w * t * self.record_bytes,
             "send_combine": max(1, self.max_pairs) * self.token_bytes,
