@@ -475,12 +475,11 @@ class MoeAllToAll:
             self._send_meta[:t, 1 : 1 + c.top_k] = idx.to(torch.int32)
             self._send_hidden[:t].copy_(x)
             pos, pairs = combine_positions(c, idx)
-            self._send_counts[:, 0] = per_rank
-            self._send_counts[:, 1] = self._step
-            self._send_counts[:, 2] = torch.cumsum(pairs, 0) - pairs
-            self._send_counts[:, 3] = pairs
+            step = torch.full_like(pairs, self._step)
+            # the count records, built here and copied once (on a GPU, one host-to-device copy)
+            self._send_counts.copy_(torch.stack([per_rank, step, torch.cumsum(pairs, 0) - pairs, pairs], 1))
             self._idx, self._weights = idx, weights
-            self._pairs_from, self._combine_pos = pairs, pos.to(self._recv_combine.device)
+            self._pairs_from, self._combine_pos = pairs, pos
             me, rec, eng = c.rank, c.record_bytes, self.engine
             self._buffers_ready()
             xfers = self._dispatch_xfers
@@ -645,7 +644,9 @@ class MoeAllToAll:
             ]
             self._wait_all(Phase.COMBINE, wants, deadline, "expert outputs")
             t = int(self._idx.shape[0])
-            y = self._recv_combine.index_select(0, self._combine_pos.reshape(-1))
+            y = self._recv_combine.index_select(
+                0, self._combine_pos.reshape(-1).to(self._recv_combine.device)
+            )
             out = weighted_sum(y.view(t, c.top_k, c.hidden), self._weights, self._idx, c.dtype)
             self._raise_failed_sends(self._combine_xfers)
             self._step += 1
