@@ -142,7 +142,6 @@ class MoeAllToAll:
         self._idx = torch.empty(0, config.top_k, dtype=torch.int64)
         self._weights = torch.empty(0, config.top_k, dtype=torch.float32)
         self._pairs_from = torch.zeros(config.world_size, dtype=torch.int64)
-        self._combine_pos = torch.zeros(0, config.top_k, dtype=torch.int64)
         self._rows = 0
         self._row_order = torch.empty(0, dtype=torch.int64)  # rows packed by origin rank
         self._rows_to: list[int] = []  # rows per origin rank
@@ -469,17 +468,17 @@ class MoeAllToAll:
             self._committed = True  # from here on, buffers change and writes go out
             self._drain(self._dispatch_xfers, deadline)
             t = int(x.shape[0])
-            mask, _ = destinations(c, idx)
+            mask, pair_rank = destinations(c, idx)
             per_rank = mask.sum(0)
             self._send_meta[:t, 0] = torch.arange(t, dtype=torch.int32)
             self._send_meta[:t, 1 : 1 + c.top_k] = idx.to(torch.int32)
             self._send_hidden[:t].copy_(x)
-            pos, pairs = combine_positions(c, idx)
+            pairs = torch.bincount(pair_rank[pair_rank >= 0], minlength=c.world_size)
             step = torch.full_like(pairs, self._step)
             # the count records, built here and copied once (on a GPU, one host-to-device copy)
             self._send_counts.copy_(torch.stack([per_rank, step, torch.cumsum(pairs, 0) - pairs, pairs], 1))
             self._idx, self._weights = idx, weights
-            self._pairs_from, self._combine_pos = pairs, pos
+            self._pairs_from = pairs
             me, rec, eng = c.rank, c.record_bytes, self.engine
             self._buffers_ready()
             xfers = self._dispatch_xfers
@@ -638,15 +637,15 @@ class MoeAllToAll:
             deadline = self._deadline(timeout)
             self._committed = True
             self._raise_failed_sends(self._combine_xfers)
+            # where each slot's row lands: worked out while the rows are on their way
+            pos = combine_positions(c, self._idx)[0].reshape(-1).to(self._recv_combine.device)
             wants = [
                 (q, self._payload_imms(Phase.COMBINE, q, int(self._pairs_from[q])))
                 for q in range(c.world_size)
             ]
             self._wait_all(Phase.COMBINE, wants, deadline, "expert outputs")
             t = int(self._idx.shape[0])
-            y = self._recv_combine.index_select(
-                0, self._combine_pos.reshape(-1).to(self._recv_combine.device)
-            )
+            y = self._recv_combine.index_select(0, pos)
             out = weighted_sum(y.view(t, c.top_k, c.hidden), self._weights, self._idx, c.dtype)
             self._raise_failed_sends(self._combine_xfers)
             self._step += 1
