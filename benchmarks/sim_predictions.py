@@ -2,7 +2,8 @@
 
 Runs every scenario of ``fabric_sim.predict`` with the cluster presets unchanged and writes
 ``benchmarks/results/sim/<scenario>.json`` (each prediction whole), ``predictions.json`` (the
-table) and ``predictions.png`` (predicted vs reported, per figure). Takes about ten minutes
+table) and ``predictions.png`` (predicted vs reported, per figure); ``--only`` reruns one
+scenario and replaces its rows in the table. Takes about ten minutes
 and ~6 GB of memory on a 2-core machine (RL at 384 ranks is most of it).
 
     python benchmarks/sim_predictions.py [--only moe|rl|kv|peak] [--out DIR]
@@ -120,11 +121,26 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.monotonic()
     rows = run(args.only, args.out)
-    name = "predictions" if args.only is None else f"predictions-{args.only}"
-    (args.out / f"{name}.json").write_text(json.dumps(rows, indent=1) + "\n")
-    plotted = plot(rows, args.out / f"{name}.png")
+    table = args.out / "predictions.json"
+    if args.only is not None and table.exists():
+        # one scenario rerun: its rows replace their old ones in the whole table
+        kept = [r for r in json.loads(table.read_text()) if _scenario(r) != args.only]
+        rows = sorted(kept + rows, key=lambda r: _ORDER.index(_scenario(r)))
+    table.write_text(json.dumps(rows, indent=1) + "\n")
+    plotted = plot(rows, args.out / "predictions.png")
     also = " and .png" if plotted else ""
-    sys.stdout.write(f"wrote {args.out / name}.json{also} in {time.monotonic() - t0:.0f} s\n")
+    sys.stdout.write(f"wrote {table}{also} in {time.monotonic() - t0:.0f} s\n")
+
+
+_ORDER = ("peak", "moe", "rl", "kv")
+
+
+def _scenario(row: dict[str, Any]) -> str:
+    figure = str(row["figure"])
+    for prefix, name in (("peak", "peak"), ("MoE", "moe"), ("RL", "rl"), ("KvCache", "kv")):
+        if figure.startswith(prefix):
+            return name
+    raise ValueError(f"a row of no known scenario: {figure!r}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 For comparison only (benchmarks, and as a second implementation the tests check against the
 reference). It needs a ``torch.distributed`` process group that is already initialised
-(gloo on CPU, NCCL on GPU) whose ranks are the layer's ranks, and gives the same
+(gloo on CPU, NCCL on GPU) whose ranks are the layer's ranks. Every tensor that travels
+lives on ``x``'s device (the counts included: NCCL carries CUDA tensors only); the small
+index work of grouping runs on the host, as in ``MoeAllToAll``. It gives the same
 ``DispatchResult`` and the same combined bits as ``MoeAllToAll``: tokens travel once per
 destination rank in the same record format, receivers group them with the same code, and the
 combine uses the same ``weighted_sum``. Each step costs three collectives (counts, tokens,
@@ -57,19 +59,22 @@ class CollectiveMoe:
         ``MoeAllToAll.dispatch_recv`` bit for bit."""
         c = self.config
         x, idx, weights = check_inputs(c, x, topk_idx, topk_weights)
+        dev = x.device
         mask, _ = destinations(c, idx)
         per_rank = mask.sum(0)
-        recv_counts = torch.empty_like(per_rank)
-        self._a2a(recv_counts, per_rank, [1] * c.world_size, [1] * c.world_size)
+        recv_counts = torch.empty_like(per_rank, device=dev)
+        self._a2a(recv_counts, per_rank.to(dev), [1] * c.world_size, [1] * c.world_size)
+        recv_counts = recv_counts.to("cpu")
         send_tok = torch.cat([mask[:, q].nonzero().flatten() for q in range(c.world_size)])
-        records = torch.zeros(int(send_tok.numel()), c.record_bytes, dtype=torch.uint8)
-        meta = records[:, : c.meta_bytes].view(torch.int32)
+        meta = torch.zeros(int(send_tok.numel()), c.meta_bytes // 4, dtype=torch.int32)
         meta[:, 0] = send_tok.to(torch.int32)
         meta[:, 1 : 1 + c.top_k] = idx[send_tok].to(torch.int32)
-        records[:, c.meta_bytes : c.meta_bytes + c.token_bytes].view(c.dtype).copy_(x.to("cpu")[send_tok])
-        received = torch.empty(int(recv_counts.sum()), c.record_bytes, dtype=torch.uint8)
+        records = torch.zeros(int(send_tok.numel()), c.record_bytes, dtype=torch.uint8, device=dev)
+        records[:, : c.meta_bytes].copy_(meta.view(torch.uint8))
+        records[:, c.meta_bytes : c.meta_bytes + c.token_bytes].view(c.dtype).copy_(x[send_tok.to(dev)])
+        received = torch.empty(int(recv_counts.sum()), c.record_bytes, dtype=torch.uint8, device=dev)
         self._a2a(received, records, recv_counts.tolist(), per_rank.tolist())
-        rmeta = received[:, : c.meta_bytes].view(torch.int32).to(torch.int64)
+        rmeta = received[:, : c.meta_bytes].to("cpu").view(torch.int32).to(torch.int64)
         src_rank = torch.repeat_interleave(torch.arange(c.world_size, dtype=torch.int64), recv_counts)
         result = group_received(
             c,
@@ -97,15 +102,16 @@ class CollectiveMoe:
             or expert_outputs.dtype != c.dtype
         ):
             raise MoeStateError(f"expert_outputs must be [{int(src_rank.numel())}, {c.hidden}] {c.dtype}")
+        dev = expert_outputs.device
         order = torch.argsort(src_rank, stable=True)
-        send = expert_outputs.to("cpu")[order].contiguous().view(torch.uint8)
+        send = expert_outputs.index_select(0, order.to(dev)).contiguous().view(torch.uint8)
         send_splits = torch.bincount(src_rank, minlength=c.world_size).tolist()
         recv_splits = self._pairs_from.tolist()
-        back = torch.empty(sum(recv_splits), c.token_bytes, dtype=torch.uint8)
+        back = torch.empty(sum(recv_splits), c.token_bytes, dtype=torch.uint8, device=dev)
         self._a2a(back, send, recv_splits, send_splits)
         rows = back.view(c.dtype)
         t = int(self._idx.shape[0])
         if not rows.shape[0]:  # no slot of any token is served: every slot is skipped
-            rows = torch.zeros(1, c.hidden, dtype=c.dtype)
-        y = rows.index_select(0, self._pos.reshape(-1)).view(t, c.top_k, c.hidden)
+            rows = torch.zeros(1, c.hidden, dtype=c.dtype, device=dev)
+        y = rows.index_select(0, self._pos.reshape(-1).to(dev)).view(t, c.top_k, c.hidden)
         return weighted_sum(y, self._weights, self._idx, c.dtype)

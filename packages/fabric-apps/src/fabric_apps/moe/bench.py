@@ -3,8 +3,9 @@ collectives baseline, in the same run, with every step checked bit for bit.
 
 W ranks on this host. On a compiled backend (efa, verbs) each rank is a process of its own
 with its own engine, as in a real deployment, and runs both implementations: fabric's
-``MoeAllToAll`` and ``CollectiveMoe`` (``all_to_all_single`` over gloo), one step of each in
-turn, so both see the same machine at the same moment. On the simulator (which lives in one
+``MoeAllToAll`` and ``CollectiveMoe`` (``all_to_all_single`` over gloo, or over NCCL with GPU
+buffers when every rank has a GPU of its own), one step of each in turn, so both see the same
+machine at the same moment. On the simulator (which lives in one
 process) the fabric ranks are threads of this process and the baseline runs in W processes
 of its own afterwards.
 
@@ -210,6 +211,7 @@ def _rank_body(
     store: Any,
     barrier: Callable[[], None],
     collective: bool,
+    group: Any = None,
 ) -> dict[str, Any]:
     """Every shape on one rank: ``{"times": {shape: {impl: {phase: [seconds per timed
     step]}}}}``. ``engine`` None: the baseline only. Raises ``MoeBenchError`` at the first step
@@ -232,7 +234,8 @@ def _rank_body(
             moe.connect_rendezvous(
                 Rendezvous(store, rank=rank, world_size=w, prefix="moe-bench", timeout=spec.timeout)
             )
-        impls = _implementations(moe, CollectiveMoe(config) if collective else None, x, idx, wt, spec.timeout)
+        base = CollectiveMoe(config, group) if collective else None
+        impls = _implementations(moe, base, x, idx, wt, spec.timeout)
         times: dict[str, dict[str, list[float]]] = {impl: {"dispatch": [], "combine": []} for impl in impls}
         first: dict[str, tuple[DispatchResult, torch.Tensor]] = {}
         try:
@@ -287,7 +290,9 @@ def _process_rank(rank: int, spec: MoeBenchSpec, port: int, conn: Any) -> None:
         def barrier() -> None:
             dist.barrier()
 
-        body = _rank_body(rank, spec, engine, store, barrier, spec.baseline)
+        # the baseline's collectives: gloo on host buffers, NCCL on GPU buffers (one GPU per rank)
+        group = dist.new_group(backend="nccl") if spec.baseline and spec.device == "cuda" else None
+        body = _rank_body(rank, spec, engine, store, barrier, spec.baseline, group)
         conn.send(("ok", body))
     except BaseException as exc:
         conn.send(("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"))
@@ -416,8 +421,12 @@ def run_moe_bench(spec: MoeBenchSpec) -> MoeBenchResult:
     start = time.perf_counter()
     note = None
     baseline = spec.baseline
-    if baseline and spec.device == "cuda":
-        baseline, note = False, "the collectives baseline moves CPU tensors over gloo; not run on GPU buffers"
+    if baseline and spec.device == "cuda" and torch.cuda.device_count() < spec.ranks:
+        baseline = False
+        note = (
+            f"not run: NCCL needs one GPU per rank ({spec.ranks} ranks, "
+            f"{torch.cuda.device_count()} GPU(s) here)"
+        )
     if spec.backend == "sim":
         ranks = _run_threads(spec)
         if baseline:

@@ -55,6 +55,7 @@ def _plot(result: Any, path: Path) -> None:
     except ImportError:
         raise click.ClickException("--plot needs matplotlib: pip install matplotlib") from None
     shapes = list(result.times)
+    collectives = "NCCL" if result.spec.device == "cuda" else "gloo"
     fig, axes = plt.subplots(1, len(shapes), figsize=(5.0 * len(shapes), 3.6), squeeze=False)
     for ax, shape in zip(axes[0], shapes, strict=True):
         impls = result.times[shape]
@@ -62,7 +63,7 @@ def _plot(result: Any, path: Path) -> None:
             p50 = [phases[ph].p50_us / 1e3 for ph in ("dispatch", "combine")]
             p99 = [phases[ph].p99_us / 1e3 for ph in ("dispatch", "combine")]
             xs = [j + (i - (len(impls) - 1) / 2) * 0.38 for j in range(2)]
-            label = "fabric (WriteImm)" if impl == "fabric" else "all_to_all_single (gloo)"
+            label = "fabric (WriteImm)" if impl == "fabric" else f"all_to_all_single ({collectives})"
             ax.bar(xs, p50, width=0.36, label=label)
             ax.errorbar(
                 xs, p50, yerr=[[0, 0], [b - a for a, b in zip(p50, p99, strict=True)]], fmt="none", c="k"
@@ -173,6 +174,10 @@ def bench_moe(
     plot_path: Path | None,
 ) -> None:
     """MoE dispatch and combine of fabric_apps.moe against all_to_all_single, in one run.
+
+    \b
+    The baseline runs over gloo with host buffers, over NCCL with GPU buffers (--device cuda,
+    one GPU per rank; with fewer GPUs it is left out and the report says why).
 
     \b
     RANKS ranks on this host, every step checked bit for bit against a single-process
