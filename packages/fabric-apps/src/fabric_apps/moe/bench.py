@@ -26,7 +26,7 @@ import math
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
-import platform
+import statistics
 import threading
 import time
 import traceback
@@ -108,7 +108,7 @@ class PhaseTimes:
         steps = [max(ts) for ts in zip(*per_rank, strict=True)]
         ordered = sorted(steps)
         p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
-        return cls(steps, _median(ordered) * 1e6, p99 * 1e6)
+        return cls(steps, statistics.median(ordered) * 1e6, p99 * 1e6)
 
 
 @dataclass
@@ -117,10 +117,15 @@ class MoeBenchResult:
 
     spec: MoeBenchSpec
     times: dict[str, dict[str, dict[str, PhaseTimes]]]  # shape -> impl -> phase -> times
-    checked_steps: int  # steps per shape and implementation checked bit for bit
     baseline_note: str | None  # why the baseline did not run, if it did not
     host: dict[str, Any]
     duration_s: float
+
+    @property
+    def checked_steps(self) -> int:
+        """Steps per shape and implementation checked bit for bit: every one (a difference
+        raises instead of giving a result)."""
+        return self.spec.warmup + self.spec.steps
 
     def ratio(self, shape: str, phase: str) -> float | None:
         """fabric's p50 over the baseline's (below 1: fabric is faster)."""
@@ -152,19 +157,11 @@ class MoeBenchResult:
         }
 
 
-def _median(xs: Sequence[float]) -> float:
-    s, n = sorted(xs), len(xs)
-    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
-
-
 def _host() -> dict[str, Any]:
-    return {
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-    }
+    from fabric_core.cli.bench import host_info
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {**host_info(), "torch": torch.__version__, "gpu": gpu}
 
 
 # --- one rank -------------------------------------------------------------------------
@@ -449,7 +446,6 @@ def run_moe_bench(spec: MoeBenchSpec) -> MoeBenchResult:
     return MoeBenchResult(
         spec=spec,
         times=times,
-        checked_steps=spec.warmup + spec.steps,  # every step, or a rank raised
         baseline_note=note,
         host=_host(),
         duration_s=time.perf_counter() - start,

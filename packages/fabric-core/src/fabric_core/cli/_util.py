@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import json
 import re
 from contextlib import AbstractContextManager
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Any, Protocol, cast
 
 import click
@@ -22,9 +24,11 @@ __all__ = [
     "import_sim",
     "new_sim_fabric",
     "parse_size",
+    "pyplot",
     "size_option",
     "sizes_option",
     "sim_link_presets",
+    "write_json",
 ]
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -139,3 +143,22 @@ def sim_link_presets() -> list[str]:
     except BackendNotInstalled:
         return []
     return sorted(cast(dict[str, Any], sim.PRESETS))
+
+
+def write_json(path: Path, doc: Any, **dumps: Any) -> None:
+    """Write ``doc`` as JSON to ``path`` (parents made), then say so."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, **dumps) + "\n")
+    click.echo(f"wrote {path}")
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend, or a ``ClickException`` naming the install."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise click.ClickException("--plot needs matplotlib: pip install matplotlib") from None
+    return plt

@@ -12,7 +12,6 @@ On the simulator with a link model it also reports virtual-clock numbers (``SimF
 from __future__ import annotations
 
 import datetime
-import json
 import math
 import os
 import platform
@@ -48,6 +47,7 @@ from ._util import (
     sim_link_presets,
     size_option,
     sizes_option,
+    write_json,
 )
 
 __all__ = [
@@ -1031,6 +1031,4 @@ def bench(
 
     _print_summary(report)
     if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
-        click.echo(f"wrote {json_path}")
+        write_json(json_path, report.to_json(), indent=2)

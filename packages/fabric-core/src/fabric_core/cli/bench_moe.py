@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +10,7 @@ import click
 
 from ..errors import BackendNotInstalled, BackendUnavailable, ConfigError, FabricError
 from ..settings import load_settings
+from ._util import pyplot, write_json
 from .bench import resolve_backend
 
 __all__ = ["bench_moe"]
@@ -47,13 +47,7 @@ def _shapes(text: str, tokens: int | None) -> tuple[tuple[str, int], ...]:
 
 
 def _plot(result: Any, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise click.ClickException("--plot needs matplotlib: pip install matplotlib") from None
+    plt = pyplot()
     shapes = list(result.times)
     collectives = "NCCL" if result.spec.device == "cuda" else "gloo"
     fig, axes = plt.subplots(1, len(shapes), figsize=(5.0 * len(shapes), 3.6), squeeze=False)
@@ -152,8 +146,12 @@ def _us(us: float) -> str:
     show_default=True,
     help="Seconds any wait may take.",
 )
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option(
+    "--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the results (JSON)."
+)
+@click.option(
+    "--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), help="Write a plot (PNG)."
+)
 def bench_moe(
     backend: str | None,
     ranks: int,
@@ -222,9 +220,7 @@ def bench_moe(
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
     _report(result)
     if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result.to_json(), indent=1) + "\n")
-        click.echo(f"wrote {json_path}")
+        write_json(json_path, result.to_json(), indent=1)
     if plot_path is not None:
         _plot(result, plot_path)
         click.echo(f"wrote {plot_path}")

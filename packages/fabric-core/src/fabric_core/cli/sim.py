@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 from typing import Any
 
 import click
+
+from ._util import pyplot, write_json
 
 __all__ = ["sim"]
 
@@ -26,13 +27,7 @@ def _predict() -> Any:
 
 
 def _plot(pred: Any, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise click.ClickException("--plot needs matplotlib: pip install matplotlib") from None
+    plt = pyplot()
     phases = list(pred.phases.values())
     fig, axes = plt.subplots(1, len(phases), figsize=(5.5 * len(phases), 3.6), squeeze=False)
     for ax, ph in zip(axes[0], phases, strict=True):
@@ -56,9 +51,7 @@ def _plot(pred: Any, path: Path) -> None:
 def _emit(pred: Any, json_path: Path | None, plot_path: Path | None) -> None:
     click.echo(_predict().report(pred))
     if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(pred.to_dict(), indent=1, sort_keys=True, default=str) + "\n")
-        click.echo(f"wrote {json_path}")
+        write_json(json_path, pred.to_dict(), indent=1, sort_keys=True, default=str)
     if plot_path is not None:
         _plot(pred, plot_path)
         click.echo(f"wrote {plot_path}")
