@@ -287,6 +287,37 @@ def efa_bench(session: nox.Session) -> None:
     )
 
 
+@nox.session(name="kv-bench")
+def kv_bench(session: nox.Session) -> None:
+    """``fabric bench kv`` on fabric-efa over shm at both model shapes, with the raw-libfabric
+    ceiling run before and after in the same invocation; JSON and plot to benchmarks/results
+    (kv-shm.*). Options after -- go to ``fabric bench kv``."""
+    _install(session, editable=False)
+    _system_packages(session, "libfabric-dev", "gcc", "g++", "cmake", "pkg-config")
+    session.install(*CONSTRAINTS, "pybind11", "scikit-build-core", "matplotlib", "torch")
+    session.install(*CONSTRAINTS, "--no-build-isolation", "./packages/fabric-efa")
+    build = Path(session.create_tmp()) / "fi_ceiling"
+    session.run(
+        "cc", "-O2", "-Wall", "-o", str(build), "benchmarks/ceiling/fi_ceiling.c", "-lfabric", external=True
+    )
+    out = ROOT / "benchmarks" / "results"
+    session.run(
+        "fabric",
+        "bench",
+        "kv",
+        "--backend",
+        "efa",
+        "--ceiling",
+        str(build),
+        "--json",
+        str(out / "kv-shm.json"),
+        "--plot",
+        str(out / "kv-shm.png"),
+        *session.posargs,
+        env={"FI_TCP_IFACE": "lo", "FABRIC_EFA_PROVIDER": "shm"},
+    )
+
+
 @nox.session
 def soak(session: nox.Session) -> None:
     """The conformance suite over many more seeds (FABRIC_SOAK_SEEDS, default 200), then the

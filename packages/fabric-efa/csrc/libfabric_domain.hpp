@@ -344,8 +344,22 @@ class LibfabricDomain {
         return rc == -FI_EAGAIN ? -EAGAIN : static_cast<int>(rc);
     }
 
+    // Control messages complete on transmit, not on delivery: the contract promises a send
+    // no more than that it reaches a live peer, and a delivery-complete send needs the peer's
+    // answer. On shm that answer goes into one response queue per endpoint, read in order:
+    // a send to a peer that died before answering blocked the completion of every later send
+    // and write of this endpoint to every peer, for good (libfabric 1.17 smr_progress_resp).
+    // Transmit-complete sends of at most the inject size never enter that queue.
     int post_send(const void* buf, size_t len, void* desc, uint64_t peer, void* ctx) {
-        ssize_t rc = fi_send(ep_, buf, len, desc, peer, ctx);
+        iovec iov{const_cast<void*>(buf), len};
+        void* d = desc;
+        fi_msg msg{};
+        msg.msg_iov = &iov;
+        msg.desc = &d;
+        msg.iov_count = 1;
+        msg.addr = peer;
+        msg.context = ctx;
+        ssize_t rc = fi_sendmsg(ep_, &msg, FI_COMPLETION | FI_TRANSMIT_COMPLETE);
         return rc == -FI_EAGAIN ? -EAGAIN : static_cast<int>(rc);
     }
 

@@ -206,3 +206,39 @@ def test_a_prefill_process_killed_mid_request_fails_only_its_request_and_returns
     assert doomed["error"] == "PeerUnreachable" and doomed["after_s"] < 10.0, doomed
     assert fired == {_request(1, i)[0]: 1 for i in range(REQUESTS)}  # no completion for the dead one
     assert (completed, failed, pages_used) == (REQUESTS, 1, 0)
+
+
+def test_the_kv_benchmark_across_processes_survives_a_killed_prefill_and_a_joining_decoder() -> None:
+    """``fabric bench kv``'s run on efa/shm at a small shape: two prefill processes, one
+    decode process and a second that joins a third into the serve phase; prefill 0 is
+    SIGKILLed at two thirds. Only requests that went to it fail (typed), the survivor serves
+    every later request, each completed request's pages carry the right stamps (every second
+    one byte for byte) and no decoder ends with a page allocated.
+
+    Before control messages completed on transmit, a REQUEST sent to the dead prefill held up
+    the completion of every later send of that decoder on shm (one in-order response queue per
+    endpoint), so requests to the survivor failed too once liveness gave up on it."""
+    from fabric_apps.kvcache import bench as kvb
+
+    spec = kvb.KvBenchSpec(
+        backend="efa",
+        layers=4,
+        decode_blocks=64,
+        prefill_blocks=32,
+        throughput_s=1.0,
+        warmup_s=0.2,
+        throughput_tokens=256,
+        serve_s=4.5,
+        rate=12.0,
+        min_tokens=64,
+        max_tokens=512,
+        verify_every=2,
+        timeout=T,
+        engine_options={"efa_provider": "shm", "liveness_interval_s": 0.2, "liveness_timeout_s": 1.0},
+    )
+    result = kvb.run_kv_bench(spec)  # raises KvBenchError on a wrong page, a leak, a stray failure
+    s = result.serve
+    assert s["unexpected_failures"] == [] and s["failed"] == s["failed_touching_killed"]
+    assert set(s["failed_errors"]) <= {"PeerUnreachable"}, s["failed_errors"]
+    assert s["completed_after_kill"] > 0 and s["per_decoder"]["decode-1"]["completed"] > 0
+    assert s["leaked_pages"] == 0 and result.throughput["requests"] > 0

@@ -4,7 +4,9 @@ The decode instance owns a paged KV cache (``KvDecoder``): per request it alloca
 and one imm, tells the prefill instance where to write, and completes the request when one
 counter has counted every imm of every page of every layer. The prefill instance
 (``KvPrefiller``) writes the pages layer by layer with paged WriteImm as layers become ready.
-Layouts (``KvLayout``) cover vLLM-style, SGLang-style and MLA caches. The imm scheme is in
+Layouts (``KvLayout``) cover vLLM-style, SGLang-style and MLA caches. Instances join and
+leave through a ``torch.distributed`` Store (``KvMembership``); a decoder routes over the
+prefill instances that are up with a ``PrefillRouter``. The imm scheme is in
 ``fabric_apps.kvcache.imms``; the protocol in ``fabric_apps.kvcache.protocol``.
 """
 
@@ -23,6 +25,7 @@ from .errors import (
 )
 from .imms import DEFAULT_IMM_BASE, DEFAULT_IMM_SLOTS, ImmPool, ImmPoolStats
 from .layout import DType, KvLayout, KvSplit, Segment, deepseek_v3, llama31_70b
+from .membership import KvMembership, Member, MemberState, NoPrefill, PrefillRouter, Role
 from .prefill import DecodeRequest, KvPrefiller, PrefillerStats, PrefillJob
 
 __all__ = [
@@ -50,8 +53,15 @@ __all__ = [
     "KvPrefiller",
     "PrefillJob",
     "PrefillerStats",
+    # membership
+    "KvMembership",
+    "Member",
+    "MemberState",
+    "PrefillRouter",
+    "Role",
     # errors
     "Exhausted",
+    "NoPrefill",
     "ImmsExhausted",
     "PageLeak",
     "PageStateError",

@@ -20,17 +20,15 @@ answer fails instead.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
-import os
 import statistics
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from typing import Any
@@ -39,6 +37,7 @@ import torch
 
 from fabric_core.errors import ConfigError, FabricError
 
+from .._spawn import child_env, reap
 from .alltoall import MoeAllToAll
 from .baseline import CollectiveMoe
 from .config import MoeConfig
@@ -301,25 +300,6 @@ def _process_rank(rank: int, spec: MoeBenchSpec, port: int, conn: Any) -> None:
         conn.close()
 
 
-@contextlib.contextmanager
-def _child_env() -> Iterator[None]:
-    """The environment spawned ranks start with: one OpenMP thread per rank (each process's
-    pool otherwise spins on every core against the other ranks and the engines' threads),
-    gloo and libfabric's tcp provider on loopback."""
-    want = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "FI_TCP_IFACE": "lo"}
-    saved = {k: os.environ.get(k) for k in want}
-    for k, v in want.items():
-        os.environ.setdefault(k, v)
-    try:
-        yield
-    finally:
-        for k, old in saved.items():
-            if old is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = old
-
-
 def _run_processes(spec: MoeBenchSpec) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
@@ -332,7 +312,7 @@ def _run_processes(spec: MoeBenchSpec) -> list[dict[str, Any]]:
         ctx.Process(target=_process_rank, args=(r, spec, store.port, pipes[r][1]), daemon=True)
         for r in range(spec.ranks)
     ]
-    with _child_env():
+    with child_env(GLOO_SOCKET_IFNAME="lo"):
         for p in procs:
             p.start()
     for _, there in pipes:
@@ -361,13 +341,7 @@ def _run_processes(spec: MoeBenchSpec) -> list[dict[str, Any]]:
                 else:
                     errors.append(body)
     finally:
-        for p in procs:
-            if errors:
-                p.kill()
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        reap(procs, kill=bool(errors))
     if errors:
         raise MoeBenchError("; ".join(errors))
     return [r for r in results if r is not None]

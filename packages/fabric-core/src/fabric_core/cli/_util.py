@@ -18,6 +18,8 @@ from ..registry import install_hint
 
 __all__ = [
     "SimFabricLike",
+    "app_module",
+    "output_options",
     "dist_version",
     "format_count",
     "format_size",
@@ -162,3 +164,23 @@ def pyplot() -> Any:
     except ImportError:
         raise click.ClickException("--plot needs matplotlib: pip install matplotlib") from None
     return plt
+
+
+def app_module(name: str, command: str) -> Any:
+    """Import an application's benchmark module, or say how to install what it needs."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:  # fabric-apps or torch missing
+        raise click.ClickException(
+            f"{command} needs fabric-apps with torch ({exc}): "
+            "pip install 'fabric-core[apps]' torch from a fabric clone"
+        ) from None
+
+
+def output_options(fn: Any) -> Any:
+    """``--json PATH`` and ``--plot PATH`` of a benchmark command."""
+    fn = click.option(
+        "--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), help="Write a plot (PNG)."
+    )(fn)
+    path = click.Path(dir_okay=False, path_type=Path)
+    return click.option("--json", "json_path", type=path, help="Write the results (JSON).")(fn)

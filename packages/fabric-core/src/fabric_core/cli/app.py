@@ -8,6 +8,7 @@ import click
 
 from ..registry import installed_backends
 from .bench import bench
+from .bench_kv import bench_kv
 from .bench_moe import bench_moe
 from .demo import demo
 from .info import info
@@ -55,6 +56,7 @@ def main(log_level: str) -> None:
 
 main.add_command(info)
 bench.add_command(bench_moe)
+bench.add_command(bench_kv)
 main.add_command(bench)
 main.add_command(demo)
 main.add_command(sim)

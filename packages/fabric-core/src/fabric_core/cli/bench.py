@@ -259,6 +259,20 @@ def resolve_backend(name: str, settings: FabricSettings, notice: Callable[[str],
     return registry.select_backend(settings.model_copy(update={"backend": name})).name
 
 
+def app_backend(backend: str | None) -> str:
+    """The backend an application benchmark runs on: ``--backend``, else ``FABRIC_BACKEND``,
+    else auto; a bad name is a usage error, a missing backend a clear one."""
+    try:
+        settings = load_settings()
+        return resolve_backend(
+            backend or settings.backend, settings, lambda t: click.echo(f"fabric bench: {t}", err=True)
+        )
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--backend'") from None
+    except (BackendNotInstalled, BackendUnavailable) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
 def parse_endpoint(text: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[v6]:PORT`` for IPv6) as a (host, port) pair."""
     host, sep, port = text.rpartition(":")

@@ -8,26 +8,14 @@ from typing import Any
 
 import click
 
-from ..errors import BackendNotInstalled, BackendUnavailable, ConfigError, FabricError
-from ..settings import load_settings
-from ._util import pyplot, write_json
-from .bench import resolve_backend
+from ..errors import ConfigError, FabricError
+from ._util import app_module, output_options, pyplot, write_json
+from .bench import app_backend
 
 __all__ = ["bench_moe"]
 
 _ROUTINGS = ("uniform", "skewed", "masked")
 _STANDARD = {"decode": 128, "prefill": 4096}
-
-
-def _bench_module() -> Any:
-    try:
-        from fabric_apps.moe import bench as module
-    except ImportError as exc:  # fabric-apps or torch missing
-        raise click.ClickException(
-            f"fabric bench moe needs fabric-apps with torch ({exc}): "
-            "pip install 'fabric-core[apps]' torch from a fabric clone"
-        ) from None
-    return module
 
 
 def _shapes(text: str, tokens: int | None) -> tuple[tuple[str, int], ...]:
@@ -146,12 +134,7 @@ def _us(us: float) -> str:
     show_default=True,
     help="Seconds any wait may take.",
 )
-@click.option(
-    "--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the results (JSON)."
-)
-@click.option(
-    "--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), help="Write a plot (PNG)."
-)
+@output_options
 def bench_moe(
     backend: str | None,
     ranks: int,
@@ -185,16 +168,8 @@ def bench_moe(
     the slower rank's; p50 and p99 over the timed steps.
     """
     chosen_shapes = _shapes(shapes, tokens)
-    try:
-        settings = load_settings()
-        chosen = resolve_backend(
-            backend or settings.backend, settings, lambda t: click.echo(f"fabric bench: {t}", err=True)
-        )
-    except ConfigError as exc:
-        raise click.BadParameter(str(exc), param_hint="'--backend'") from None
-    except (BackendNotInstalled, BackendUnavailable) as exc:
-        raise click.ClickException(str(exc)) from None
-    module = _bench_module()
+    chosen = app_backend(backend)
+    module = app_module("fabric_apps.moe.bench", "fabric bench moe")
     try:
         spec = module.MoeBenchSpec(
             backend=chosen,

@@ -323,7 +323,7 @@ class Engine {
           chaos_(chaos),
           rng_(chaos_seed),
           pending_(nics_.size()),
-          stalled_since_(nics_.size()),
+          parked_(nics_.size()),
           peers_(nics_.size()),
           recv_depth_(recv_depth),
           max_send_(max_send),
@@ -617,7 +617,11 @@ class Engine {
         auto secs = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
         EngineDump out;
         out.inflight_wrs = inflight_;
-        for (auto& q : pending_) out.unposted_per_nic.push_back(q.size());
+        for (size_t n = 0; n < pending_.size(); n++) {
+            size_t waiting = pending_[n].size();
+            for (const auto& [key, pk] : parked_[n]) waiting += pk.ops.size();
+            out.unposted_per_nic.push_back(waiting);
+        }
         out.pokes_sent = pokes_sent_;
         for (const auto& [id, r] : live_) {
             RequestView v{};
@@ -809,61 +813,114 @@ class Engine {
         return true;
     }
 
+    // Which queue an op waits in once its peer's provider queue is full: the peer's address
+    // handle on NIC ``n`` (resolved by post() before it can answer -EAGAIN), or, for a send
+    // that found no free bounce slot (a local shortage), every send.
+    static constexpr uint64_t kNoSendSlot = ~uint64_t(0) - 1;
+    uint64_t park_key(uint32_t n, const OpCtx& op) const {
+        if (op.kind == 1) return op.src == 0 ? kNoSendSlot : op.dst_off;
+        if (op.kind != 0 || op.target >= op.request->targets.size()) return Target::kUnresolved;
+        const Target& t = *op.request->targets[op.target];
+        return n < t.peers.size() ? t.peers[n] : Target::kUnresolved;
+    }
+
+    // Work requests go out per NIC in queue order, except that a peer whose provider queue
+    // is full (-EAGAIN: on shm, a peer that stopped draining its queue, e.g. a dead process;
+    // on tcp, a connection not up yet) holds up only its own: its ops move, in order, to a
+    // queue of their own (parked_), tried first on every pass, and the rest go on. Before,
+    // the first -EAGAIN stopped the NIC, so one dead peer stalled the traffic to every other
+    // until liveness declared it lost.
     bool post_pending() {
         bool any = false;
         full_ = false;
         for (uint32_t n = 0; n < nics_.size(); n++) {
+            auto& park = parked_[n];
+            for (auto it = park.begin(); it != park.end();) {
+                Parked& pk = it->second;
+                while (!pk.ops.empty()) {
+                    OpCtx* op = pk.ops.front();
+                    if (op->request->abandoned) {
+                        pk.ops.pop_front();
+                        settle(*op);
+                        any = true;
+                        continue;
+                    }
+                    int rc = post(n, *op);
+                    if (rc == -EAGAIN) {
+                        eagain_++;
+                        full_ = true;
+                        // A path whose provider will not take a work request for as long as a
+                        // peer may leave a probe unanswered (tcp: a connection that never comes
+                        // up says -EAGAIN forever) is lost like one that fails them: its queued
+                        // work requests, never posted, move to another NIC.
+                        if (n > 0 && op->kind == 0 && now_ - pk.since >= stall_limit(path_of(*op)) &&
+                            path_lost(*op, kTransport, "the provider refused every work request for it", false)) {
+                            pk.ops.pop_front();
+                            pk.since = now_;
+                            any = true;
+                            continue;
+                        }
+                        break;
+                    }
+                    pk.ops.pop_front();
+                    pk.since = now_;
+                    after_post(n, op, rc);
+                    any = true;
+                }
+                it = pk.ops.empty() ? park.erase(it) : std::next(it);
+            }
             auto& q = pending_[n];
             unsigned budget = 256;
             while (!q.empty() && budget--) {
                 OpCtx* op = q.front();
+                q.pop_front();
                 if (op->request->abandoned) {  // failed early: never posted
-                    q.pop_front();
                     settle(*op);
                     any = true;
                     continue;
+                }
+                if (!park.empty()) {
+                    auto it = park.find(park_key(n, *op));
+                    if (it != park.end()) {  // behind its peer's earlier ops
+                        it->second.ops.push_back(op);
+                        continue;
+                    }
                 }
                 int rc = post(n, *op);
                 if (rc == -EAGAIN) {
                     eagain_++;
                     full_ = true;
-                    // A path whose provider will not take a work request for as long as a peer
-                    // may leave a probe unanswered (tcp: a connection that never comes up says
-                    // -EAGAIN forever) is lost like one that fails them: its queued work
-                    // requests, never posted, move to another NIC.
-                    if (stalled_since_[n] == Clock::time_point{}) {
-                        stalled_since_[n] = now_;
-                    } else if (n > 0 && op->kind == 0 && now_ - stalled_since_[n] >= stall_limit(path_of(*op)) &&
-                               path_lost(*op, kTransport, "the provider refused every work request for it", false)) {
-                        q.pop_front();
-                        stalled_since_[n] = Clock::time_point{};
-                        any = true;
-                        continue;
-                    }
-                    break;  // the NIC is full: poll, then retry
-                }
-                stalled_since_[n] = Clock::time_point{};
-                q.pop_front();
-                any = true;
-                if (rc == kRerouted) {  // its path is down (or not yet set up): another NIC
-                    pending_[op->nic].push_back(op);
+                    Parked& pk = park[park_key(n, *op)];
+                    if (pk.ops.empty()) pk.since = now_;
+                    pk.ops.push_back(op);
+                    if (park.size() >= kMaxParked) break;  // so many full peers: the NIC itself is
                     continue;
                 }
-                if (rc != 0 && op->kind == 0 && path_lost(*op, kPeerUnreachable, std::strerror(-rc), false)) continue;
-                if (rc != 0) {
-                    if (op->kind == 0) NicTraffic::bump(traffic_[n].errors);
-                    bool unreachable = rc == -EHOSTUNREACH || rc == -ECONNREFUSED || rc == -ENOTCONN;
-                    std::string why = std::string("posting failed: ") + std::strerror(-rc);
-                    if (unreachable) transport_lost(*op);
-                    fail_op(*op, unreachable ? kPeerUnreachable : kTransport, why);
-                } else {
-                    op->state = OpCtx::kPosted;
-                    op->posts++;
-                    posted_++;
-                }
+                after_post(n, op, rc);
+                any = true;
             }
         }
         return any;
+    }
+
+    // What follows post() of an op that did not answer -EAGAIN.
+    void after_post(uint32_t n, OpCtx* op, int rc) {
+        if (rc == kRerouted) {  // its path is down (or not yet set up): another NIC
+            pending_[op->nic].push_back(op);
+            return;
+        }
+        if (rc != 0 && op->kind == 0 && path_lost(*op, kPeerUnreachable, std::strerror(-rc), false)) return;
+        if (rc != 0) {
+            if (op->kind == 0) NicTraffic::bump(traffic_[n].errors);
+            bool unreachable = rc == -EHOSTUNREACH || rc == -ECONNREFUSED || rc == -ENOTCONN;
+            std::string why = std::string("posting failed: ") + std::strerror(-rc);
+            if (unreachable) transport_lost(*op);
+            fail_op(*op, unreachable ? kPeerUnreachable : kTransport, why);
+        } else {
+            op->state = OpCtx::kPosted;
+            op->posts++;
+            posted_++;
+        }
     }
 
     int post(uint32_t n, OpCtx& op) {
@@ -1940,6 +1997,7 @@ class Engine {
             poll_all();
         }
         for (auto& q : pending_) q.clear();
+        for (auto& park : parked_) park.clear();
         for (auto& [id, r] : live_) {
             if (!r->abandoned) ready_.push_back(Completion{id, kClosed, "engine closed with this transfer in flight"});
             r->abandoned = true;
@@ -1956,7 +2014,12 @@ class Engine {
     std::mt19937_64 rng_;
     MpscQueue<Request> queue_;
     std::vector<std::deque<OpCtx*>> pending_;
-    std::vector<Clock::time_point> stalled_since_;  // per NIC: its queue's head met -EAGAIN since
+    struct Parked {
+        std::deque<OpCtx*> ops;  // in queue order
+        Clock::time_point since{};  // parked, or last posted one, then
+    };
+    static constexpr size_t kMaxParked = 16;
+    std::vector<std::map<uint64_t, Parked>> parked_;  // per NIC: peers whose queue is full
     std::vector<std::unordered_map<std::string, uint64_t>> peers_;
     std::unordered_map<uint64_t, std::unique_ptr<Request>> live_;
     static constexpr size_t kCoalesce = 32;
