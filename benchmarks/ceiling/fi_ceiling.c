@@ -8,10 +8,16 @@
  * overhead. Also measures the imm round trip: write+data -> target sees it -> write+data back.
  *
  * Build: cc -O2 -o fi_ceiling fi_ceiling.c -lfabric
- * Run:   FI_TCP_IFACE=lo ./fi_ceiling -p 'tcp;ofi_rxm' [-s 4096,65536,1048576] [-w 64] [-r 5]
+ * Run:   FI_TCP_IFACE=lo ./fi_ceiling -p 'tcp;ofi_rxm' [-s 4096,65536,1048576] [-w 64] [-r 5] [-b SPAN]
+ *
+ * By default every write goes from offset 0 to offset 0: source and target stay in the CPU's
+ * caches, the most a copy can do. With -b SPAN both buffers are SPAN bytes and write i uses
+ * the i-th size-aligned slot, cycling, as a KV cache of SPAN bytes is written page by page:
+ * what a copy does from and to memory.
  * Output: one JSON object per line on stdout.
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
@@ -80,7 +86,25 @@ static void xfer(int fd, void *p, size_t n, int send_it) {
     }
 }
 
+/* shm names a region after its process (/dev/shm/PID:N:M) and cannot create one whose file
+ * exists: a process with this PID killed earlier left its file behind. None of ours exist yet. */
+static void sweep_stale_regions(void) {
+    DIR *d = opendir("/dev/shm");
+    if (!d) return;
+    char prefix[32], path[300];
+    int len = snprintf(prefix, sizeof(prefix), "%d:", (int)getpid());
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        if (strncmp(e->d_name, prefix, (size_t)len) == 0) {
+            snprintf(path, sizeof(path), "/dev/shm/%s", e->d_name);
+            unlink(path);
+        }
+    }
+    closedir(d);
+}
+
 static void node_open(struct node *n, const char *prov, size_t buflen) {
+    sweep_stale_regions();
     struct fi_info *hints = fi_allocinfo();
     hints->ep_attr->type = FI_EP_RDM;
     hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_MSG;
@@ -148,12 +172,20 @@ static void poll_cq(struct node *n, long *tx, long *rx) {
 /* -d: writes complete on delivery (FI_DELIVERY_COMPLETE), the semantics fabric gives a
  * Transfer; the default is the provider's own (transmit complete). */
 static int delivery_complete = 0;
+static size_t span = 0; /* -b: bytes the writes cycle through (0: offset 0 only) */
+
+static size_t slot_offset(const struct node *n, size_t size, uint64_t i) {
+    size_t slots = size ? n->buflen / size : 1;
+    return span && slots ? (size_t)(i % slots) * size : 0;
+}
 
 static ssize_t post_write(struct node *n, size_t size, uint64_t data) {
+    size_t off = slot_offset(n, size, data);
     if (!delivery_complete)
-        return fi_writedata(n->ep, n->buf, size, n->desc, data, n->peer, n->remote.base, n->remote.key, NULL);
-    struct iovec iov = {.iov_base = n->buf, .iov_len = size};
-    struct fi_rma_iov rma = {.addr = n->remote.base, .len = size, .key = n->remote.key};
+        return fi_writedata(n->ep, n->buf + off, size, n->desc, data, n->peer, n->remote.base + off, n->remote.key,
+                            NULL);
+    struct iovec iov = {.iov_base = n->buf + off, .iov_len = size};
+    struct fi_rma_iov rma = {.addr = n->remote.base + off, .len = size, .key = n->remote.key};
     void *desc = n->desc;
     struct fi_msg_rma msg = {
         .msg_iov = &iov, .desc = &desc, .iov_count = 1, .addr = n->peer,
@@ -212,7 +244,7 @@ int main(int argc, char **argv) {
     const char *prov = "shm", *sizes = "8,64,512,4096,32768,65536,262144,1048576,4194304,16777216";
     int window = 64, reps = 5, ping_iters = 20000;
     int opt;
-    while ((opt = getopt(argc, argv, "p:s:w:r:l:d")) != -1) {
+    while ((opt = getopt(argc, argv, "p:s:w:r:l:db:")) != -1) {
         switch (opt) {
         case 'p': prov = optarg; break;
         case 'd': delivery_complete = 1; break;
@@ -220,8 +252,9 @@ int main(int argc, char **argv) {
         case 'w': window = atoi(optarg); break;
         case 'r': reps = atoi(optarg); break;
         case 'l': ping_iters = atoi(optarg); break;
+        case 'b': span = strtoull(optarg, NULL, 10); break;
         default:
-            fprintf(stderr, "usage: %s [-p provider] [-s sizes] [-w window] [-r reps] [-l pingpong iters] [-d]\n", argv[0]);
+            fprintf(stderr, "usage: %s [-p provider] [-s sizes] [-w window] [-r reps] [-l pingpong iters] [-d] [-b span]\n", argv[0]);
             return 1;
         }
     }
@@ -231,6 +264,7 @@ int main(int argc, char **argv) {
         if (s > maxsize) maxsize = s;
         if (*p == ',') p++;
     }
+    if (span > maxsize) maxsize = span;
     int sv[2];
     if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv)) return 5;
     pid_t child = fork();
@@ -275,9 +309,9 @@ int main(int argc, char **argv) {
             }
         }
         double t = median(secs, reps < 64 ? reps : 64);
-        printf("{\"kind\": \"bandwidth\", \"provider\": \"%s\", \"size\": %zu, \"window\": %d, \"writes\": %ld, "
+        printf("{\"kind\": \"bandwidth\", \"provider\": \"%s\", \"size\": %zu, \"span\": %zu, \"window\": %d, \"writes\": %ld, "
                "\"reps\": %d, \"seconds_median\": %.6f, \"gbytes_per_s\": %.4f, \"mwrites_per_s\": %.4f}\n",
-               prov, size, window, count, reps, t, (double)size * (double)count / t / 1e9, (double)count / t / 1e6);
+               prov, size, span, window, count, reps, t, (double)size * (double)count / t / 1e9, (double)count / t / 1e6);
         fflush(stdout);
     }
 

@@ -162,3 +162,39 @@ def test_cli_kv_refuses_bad_options_with_a_clear_message(args: list[str], messag
     result = _cli(*_CLI_SMALL, *args)
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
+
+
+def test_the_ceiling_runs_before_and_after_in_both_modes_and_gives_ratios(tmp_path: Any) -> None:
+    """A stand-in for fi_ceiling that reports fixed rates: the run calls it twice per mode
+    (before and after), with ``-b`` (the decoder's cache size) in the working-set mode only,
+    and divides fabric's aggregate rate by the median."""
+    import json
+    import stat
+
+    log = tmp_path / "calls"
+    fake = tmp_path / "fi_ceiling"
+    fake.write_text(
+        "#!/usr/bin/env python3\n"
+        "import json, sys\n"
+        f"open({str(log)!r}, 'a').write(' '.join(sys.argv[1:]) + '\\n')\n"
+        "a = sys.argv[1:]\n"
+        "span = int(a[a.index('-b') + 1]) if '-b' in a else 0\n"
+        "for s in a[a.index('-s') + 1].split(','):\n"
+        "    g = 2.0 if span else 8.0\n"
+        "    print(json.dumps({'kind': 'bandwidth', 'size': int(s), 'span': span, 'gbytes_per_s': g}))\n"
+    )
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    spec = kvb.KvBenchSpec(
+        model="llama70b", add_decode=False, kill_prefill=False, prefills=1, ceiling=str(fake), **SMALL
+    )
+    result = kvb.run_kv_bench(spec)
+    calls = log.read_text().splitlines()
+    span = spec.decode_blocks * spec.request_bytes(1)
+    assert len(calls) == 4 and sum(f"-b {span}" in c for c in calls) == 2
+    assert all("-s 32768,65536" in c for c in calls)  # a page of K or V (16 x 8 x 128 x 2 B) and 64 KiB
+    c = result.ceiling
+    assert c is not None and c["kv_working_set"]["span_bytes"] == span and c["cached"]["span_bytes"] == 0
+    fab = result.throughput["gbytes_per_s"]
+    assert c["kv_working_set"]["ratio"]["32768"] == pytest.approx(fab / 2.0)
+    assert c["cached"]["ratio"]["65536"] == pytest.approx(fab / 8.0)
+    assert json.loads(json.dumps(result.to_json()))["ceiling"]["cached"]["gbytes_per_s"]["32768"] == 8.0

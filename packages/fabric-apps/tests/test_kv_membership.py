@@ -237,3 +237,22 @@ def test_a_prefill_known_gone_is_dropped_as_the_request_is_made(world: World) ->
         job.wait(T)
     h.wait(T)
     h.release()
+
+
+def test_router_takes_turns_among_equally_loaded_prefills(world: World) -> None:
+    """Requests that finish before the next one is made leave every prefill at zero
+    outstanding: the router then takes them in turn, not always the first to have joined."""
+    _dec, members, router = _router(world)
+    pfs = [_prefill(world, members, f"p{i}")[0] for i in range(3)]
+    router.refresh()
+    names = []
+    for i in range(6):
+        member, h = router.receive(f"t{i}", 1)
+        names.append(member.name)
+        pf = pfs[int(member.name[1:])]
+        for job in serve(pf, {f"t{i}": [i]}, 1):
+            job.wait(T)
+        h.wait(T)
+        h.release()
+        assert eventually(lambda: router.outstanding() == {})
+    assert sorted(names) == ["p0", "p0", "p1", "p1", "p2", "p2"]

@@ -10,7 +10,9 @@ instance is a process; on the simulator each is a thread of this process on one
    outstanding (closed loop) for ``throughput_s`` seconds; aggregate GB/s and pages/s count
    the requests that completed after ``warmup_s``. With ``ceiling`` (a built
    ``benchmarks/ceiling/fi_ceiling``) the raw-libfabric ceiling runs at the page's write
-   size and at 64 KiB before the instances start and after they exit, in the same run.
+   size and at 64 KiB before the instances start and after they exit, in the same run, twice
+   each: writing through a buffer the size of a decoder's cache (``kv_working_set``: what the
+   KV transfer does to memory) and to one cached offset (``cached``: the most a copy can do).
 2. **serve**: Poisson arrivals (``rate`` requests/s per decoder), prompt lengths uniform in
    ``[min_tokens, max_tokens]``, for ``serve_s`` seconds. At a third of it a new decode
    instance joins (``add_decode``); at two thirds prefill 0 is killed (``kill_prefill``:
@@ -794,10 +796,12 @@ def _run_threads(spec: KvBenchSpec) -> tuple[dict[str, Any], dict[str, float]]:
 # --- the ceiling --------------------------------------------------------------------------------
 
 
-def _ceiling(spec: KvBenchSpec, sizes: list[int]) -> dict[int, float]:
-    """GB/s of the raw-libfabric ceiling program at each size (median of its 3 repetitions)."""
+def _ceiling(spec: KvBenchSpec, sizes: list[int], span: int) -> dict[int, float]:
+    """GB/s of the raw-libfabric ceiling program at each size (median of its 3 repetitions);
+    ``span`` > 0: its writes cycle through buffers of that many bytes, as the KV cache's are."""
     assert spec.ceiling is not None
     cmd = [spec.ceiling, "-p", spec.ceiling_provider, "-s", ",".join(map(str, sizes)), "-r", "3", "-l", "200"]
+    cmd += ["-b", str(span)] if span else []
     env = {**os.environ, "FI_TCP_IFACE": os.environ.get("FI_TCP_IFACE", "lo")}
     try:
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, timeout=600).stdout
@@ -805,6 +809,12 @@ def _ceiling(spec: KvBenchSpec, sizes: list[int]) -> dict[int, float]:
         raise KvBenchError(f"the ceiling program {spec.ceiling} failed: {exc}") from None
     rows = [json.loads(line) for line in out.splitlines() if line.strip()]
     return {int(r["size"]): float(r["gbytes_per_s"]) for r in rows if r.get("kind") == "bandwidth"}
+
+
+CEILING_MODES = ("kv_working_set", "cached")
+"""How the ceiling program is run: its writes cycling through a buffer the size of a
+decoder's cache, page by page (what the KV transfer does), and all to offset 0 (source and
+target stay in the CPU caches: the most a copy can do)."""
 
 
 # --- results -------------------------------------------------------------------------------------
@@ -933,21 +943,28 @@ def run_kv_bench(spec: KvBenchSpec) -> KvBenchResult:
     start = time.perf_counter()
     lay = spec.layout(1)
     sizes = sorted({lay.page_bytes, 65536})
-    before = _ceiling(spec, sizes) if spec.ceiling else None
+    span = spec.decode_blocks * spec.request_bytes(1)  # one decoder's whole cache
+    spans = {"kv_working_set": span, "cached": 0}
+    runs: dict[str, list[dict[int, float]]] = {m: [] for m in CEILING_MODES}
+    if spec.ceiling:  # before the instances start and after they exit: nothing else running
+        for mode in CEILING_MODES:
+            runs[mode].append(_ceiling(spec, sizes, spans[mode]))
     results, marks = _run_threads(spec) if spec.backend == "sim" else _run_processes(spec)
-    after = _ceiling(spec, sizes) if spec.ceiling else None
+    if spec.ceiling:
+        for mode in CEILING_MODES:
+            runs[mode].append(_ceiling(spec, sizes, spans[mode]))
     throughput, serve = _summarise(spec, results, marks)
     ceiling: dict[str, Any] | None = None
-    if before is not None and after is not None:
-        ceiling = {
-            "provider": spec.ceiling_provider,
-            "program": os.path.basename(spec.ceiling or ""),
-            "runs": {str(s): [before.get(s), after.get(s)] for s in sizes},
-            "gbytes_per_s": {str(s): statistics.median([before[s], after[s]]) for s in sizes},
-        }
-        ceiling["ratio"] = {
-            s: throughput["gbytes_per_s"] / g for s, g in ceiling["gbytes_per_s"].items() if g
-        }
+    if spec.ceiling:
+        ceiling = {"provider": spec.ceiling_provider, "program": os.path.basename(spec.ceiling)}
+        for mode in CEILING_MODES:
+            gbps = {str(s): statistics.median([r[s] for r in runs[mode]]) for s in sizes}
+            ceiling[mode] = {
+                "span_bytes": spans[mode],
+                "runs": {str(s): [r.get(s) for r in runs[mode]] for s in sizes},
+                "gbytes_per_s": gbps,
+                "ratio": {s: throughput["gbytes_per_s"] / g for s, g in gbps.items() if g},
+            }
     result = KvBenchResult(spec, throughput, serve, ceiling, host_info(), time.perf_counter() - start)
     bad = []
     if serve["problems"]:

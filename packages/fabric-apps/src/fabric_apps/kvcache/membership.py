@@ -256,9 +256,11 @@ class PrefillRouter:
             with self._lock:
                 if not self._routes:
                     raise NoPrefill("no prefill instance is up to take the request")
+                # fewest outstanding first; among equals, round robin
                 self._tie += 1
-                order = sorted(self._routes, key=lambda i: (self._outstanding[i], (i + self._tie) % 65536))
-                member = self._routes[order[0]]
+                ring = sorted(self._routes)
+                turn = {i: (k - self._tie) % len(ring) for k, i in enumerate(ring)}
+                member = self._routes[min(ring, key=lambda i: (self._outstanding[i], turn[i]))]
                 self._outstanding[member.index] += 1
             try:
                 handle = self.decoder.receive(member.address, request_id, num_pages, **kwargs)

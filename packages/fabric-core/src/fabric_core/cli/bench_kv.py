@@ -51,10 +51,18 @@ def _report(result: Any) -> None:
     )
     if result.ceiling:
         c = result.ceiling
-        parts = [
-            f"{int(k) // 1024} KiB {g:.2f} GB/s (x{c['ratio'][k]:.2f})" for k, g in c["gbytes_per_s"].items()
-        ]
-        click.echo(f"  raw libfabric ceiling ({c['provider']}, one pair): " + ", ".join(parts))
+        for mode, what in (
+            ("kv_working_set", "through a decoder-sized buffer"),
+            ("cached", "to one cached offset"),
+        ):
+            m = c[mode]
+            parts = [
+                f"{int(k) // 1024} KiB {g:.2f} GB/s (fabric x{m['ratio'][k]:.2f})"
+                for k, g in m["gbytes_per_s"].items()
+            ]
+            click.echo(
+                f"  raw libfabric ceiling, one pair on {c['provider']}, writes {what}: " + ", ".join(parts)
+            )
     click.echo(
         f"  serve: {v['arrived']} arrived at {s.rate:g}/s per decoder, {v['completed']} completed, "
         f"{v['failed']} failed ({v['failed_touching_killed']} touched the killed prefill: "
@@ -90,15 +98,19 @@ def _plot(results: list[Any], path: Path) -> None:
     names = [r.spec.model for r in results]
     fab = [r.throughput["gbytes_per_s"] for r in results]
     ax = axes[0]
-    ax.bar([i - 0.2 for i in range(len(results))], fab, width=0.38, label="fabric KvCache (aggregate)")
-    ceil = [(r.ceiling["gbytes_per_s"].get("65536") if r.ceiling else None) for r in results]
-    if any(c is not None for c in ceil):
-        ax.bar(
-            [i + 0.2 for i in range(len(results))],
-            [c or 0.0 for c in ceil],
-            width=0.38,
-            label="raw libfabric ceiling, 64 KiB writes",
+    ax.bar([i - 0.26 for i in range(len(results))], fab, width=0.25, label="fabric KvCache (aggregate)")
+    with_ceiling = [r for r in results if r.ceiling]
+    for k, (mode, label) in enumerate(
+        (
+            ("kv_working_set", "raw libfabric, decoder-sized buffer"),
+            ("cached", "raw libfabric, cached offset"),
         )
+    ):
+        xs = [results.index(r) + 0.13 + 0.26 * k for r in with_ceiling]
+        page = [str(r.spec.layout(1).page_bytes) for r in with_ceiling]
+        ys = [r.ceiling[mode]["gbytes_per_s"][p] for r, p in zip(with_ceiling, page, strict=True)]
+        if xs:
+            ax.bar(xs, ys, width=0.25, label=f"{label} (page-size writes)")
     ax.set_xticks(range(len(results)), names)
     ax.set_ylabel("GB/s")
     ax.set_title(f"throughput ({results[0].spec.backend}, closed loop)")
