@@ -106,15 +106,16 @@ def _plot(results: list[Any], path: Path) -> None:
             ("cached", "raw libfabric, cached offset"),
         )
     ):
-        xs = [results.index(r) + 0.13 + 0.26 * k for r in with_ceiling]
+        xs = [results.index(r) + 0.26 * k for r in with_ceiling]
         page = [str(r.spec.layout(1).page_bytes) for r in with_ceiling]
         ys = [r.ceiling[mode]["gbytes_per_s"][p] for r, p in zip(with_ceiling, page, strict=True)]
         if xs:
             ax.bar(xs, ys, width=0.25, label=f"{label} (page-size writes)")
     ax.set_xticks(range(len(results)), names)
     ax.set_ylabel("GB/s")
-    ax.set_title(f"throughput ({results[0].spec.backend}, closed loop)")
-    ax.legend(loc="lower right")
+    s0 = results[0].spec
+    ax.set_title(f"throughput: {s0.prefills} prefill + {s0.decodes} decode ({s0.backend}, closed loop)")
+    ax.legend(loc="upper left", fontsize=8)
     ax = axes[1]
     for i, r in enumerate(results):
         v = r.serve
@@ -122,7 +123,8 @@ def _plot(results: list[Any], path: Path) -> None:
         ax.bar([i + 0.2], [v["transfer_ms_p99"]], width=0.38, color="C1", label="p99" if i == 0 else None)
     ax.set_xticks(range(len(results)), names)
     ax.set_ylabel("ms per request (issue to landed)")
-    ax.set_title("serve: Poisson arrivals, +1 decode, prefill killed")
+    events = [e for e, on in (("+1 decode", s0.add_decode), ("prefill killed", s0.kill_prefill)) if on]
+    ax.set_title(", ".join(["serve: Poisson arrivals", *events]))
     ax.legend(loc="upper right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
