@@ -280,6 +280,8 @@ def _process_rank(rank: int, spec: MoeBenchSpec, port: int, conn: Any) -> None:
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=spec.ranks, timeout=timedelta(seconds=spec.timeout)
         )
+        if spec.device == "cuda":  # before the engine opens: it binds to the current device
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         if spec.backend != "baseline":
             engine = open_engine(spec.backend, **spec.engine_options)
 

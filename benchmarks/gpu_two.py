@@ -1,0 +1,212 @@
+"""WriteImm GPU to GPU across two processes on two GPUs, against NCCL send/recv, in one run.
+
+    python benchmarks/gpu_two.py --out two.json [--reps 7] [--latency-reps 200]
+
+Rank 0 (GPU 0) writes into rank 1's GPU 1 memory. Both ranks hold a fabric-efa engine on shm
+(which moves CUDA memory over CUDA IPC, here across the GPUs' NVLink) and an NCCL group. Per
+size, alternating fabric and NCCL in every repetition: a burst of the same writes (fabric
+WriteImm; NCCL ``send`` on rank 0, ``recv`` on rank 1), timed from rank 0's first call to
+rank 1 having all of it (fabric: its counter reached the burst's ``imms_at_target``; NCCL: its
+recvs synchronized). Both ranks read one monotonic clock (one host). Then the imm latency: a
+4 KiB ping-pong, half the round trip, fabric against NCCL. The first burst of each size is
+checked (a checksum of the bytes at rank 1). Medians over ``--reps``; ratios fabric/NCCL of
+bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+MiB = 1 << 20
+SIZES = [64 << 10, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
+
+
+def _burst(size: int) -> int:
+    return max(1, min(32, (256 * MiB) // size))
+
+
+def _rank(rank: int, port: int, reps: int, latency_reps: int, conn: Any, nccl_on: bool = True) -> None:
+    try:
+        conn.send(("ok", _body(rank, port, reps, latency_reps, nccl_on)))
+    except BaseException as exc:
+        import traceback
+
+        conn.send(("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"))
+
+
+def _body(rank: int, port: int, reps: int, latency_reps: int, nccl_on: bool = True) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    from fabric_core import MemoryRegionDescriptor, WriteRequest, open_engine
+
+    torch.cuda.set_device(rank)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=40))  # type: ignore[attr-defined]
+    dist.init_process_group("nccl", store=dist.PrefixStore("nccl", store), rank=rank, world_size=2)  # type: ignore[attr-defined]
+    e = open_engine("efa", efa_provider="shm")
+    top = max(SIZES)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    buf = (
+        torch.randint(0, 256, (top,), dtype=torch.uint8, device="cuda", generator=g)
+        if rank == 0
+        else (torch.zeros(top, dtype=torch.uint8, device="cuda"))
+    )
+    ping = torch.zeros(4096, dtype=torch.uint8, device="cuda")
+    r, rp = e.register(buf), e.register(ping)
+    store.set(f"desc/{rank}", bytes(r.descriptor))
+    store.set(f"ping/{rank}", bytes(rp.descriptor))
+    peer = 1 - rank
+    pdesc = MemoryRegionDescriptor.from_bytes(store.get(f"desc/{peer}"))
+    pping = MemoryRegionDescriptor.from_bytes(store.get(f"ping/{peer}"))
+    torch.cuda.synchronize()
+    rows: list[dict[str, Any]] = []
+    counted = {}  # imm -> imms counted so far at rank 1 (counters are cumulative)
+    for i, size in enumerate(SIZES):
+        imm, burst = 1000 + i, _burst(size)
+        fab, nccl = [], []
+        for rep in range(reps + 1):
+            # fabric
+            dist.barrier()
+            if rank == 0:
+                t0 = time.perf_counter()
+                sent = [e.submit(WriteRequest(r, 0, size, pdesc, 0, imm=imm)) for _ in range(burst)]
+                store.set(f"n/{i}/{rep}", str(sum(t.imms_at_target for t in sent)))
+                for t in sent:  # a failed write raises here rather than leave the peer waiting
+                    t.wait(timeout=30)
+                end = float(store.get(f"t/{i}/{rep}"))
+                fab.append(end - t0)
+            else:
+                n = int(store.get(f"n/{i}/{rep}"))
+                counted[imm] = counted.get(imm, 0) + n
+                e.counter(imm).wait(counted[imm], timeout=30)
+                store.set(f"t/{i}/{rep}", repr(time.perf_counter()))
+                if rep == 0:
+                    store.set(f"sum/{i}", str(int(buf[:size].to(torch.int64).sum().item())))
+                    buf[:size].zero_()
+                    torch.cuda.synchronize()
+            # NCCL
+            dist.barrier()
+            torch.cuda.synchronize()
+            if not nccl_on:
+                nccl.append(float("nan"))
+            elif rank == 0:
+                t0 = time.perf_counter()
+                for _ in range(burst):
+                    dist.send(buf[:size], 1)
+                torch.cuda.synchronize()
+                end = float(store.get(f"u/{i}/{rep}"))
+                nccl.append(end - t0)
+            else:
+                for _ in range(burst):
+                    dist.recv(buf[:size], 0)
+                torch.cuda.synchronize()
+                store.set(f"u/{i}/{rep}", repr(time.perf_counter()))
+        if rank == 0:
+            want = int(buf[:size].to(torch.int64).sum().item())
+            got = int(store.get(f"sum/{i}"))
+            if got != want:
+                raise SystemExit(f"fabric wrote wrong bytes at {size}: checksum {got} != {want}")
+            f, c = statistics.median(fab[1:]), statistics.median(nccl[1:])
+            rows.append(
+                {
+                    "bytes": size,
+                    "burst": burst,
+                    "fabric_gbytes_per_s": size * burst / f / 1e9,
+                    "nccl_gbytes_per_s": size * burst / c / 1e9,
+                    "ratio": c / f,
+                }
+            )
+    # latency: 4 KiB ping-pong, half the round trip
+    lat: dict[str, list[float]] = {"fabric": [], "nccl": []}
+    count = 20 + latency_reps
+    dist.barrier()
+    for k in range(count):
+        if rank == 0:
+            t0 = time.perf_counter()
+            e.submit(WriteRequest(rp, 0, 4096, pping, 0, imm=2000))
+            e.counter(2001).wait(k + 1, timeout=60)
+            if k >= 20:
+                lat["fabric"].append((time.perf_counter() - t0) / 2)
+        else:
+            e.counter(2000).wait(k + 1, timeout=60)
+            e.submit(WriteRequest(rp, 0, 4096, pping, 0, imm=2001))
+    dist.barrier()
+    for k in range(count):
+        if rank == 0:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dist.send(ping, 1)
+            dist.recv(ping, 1)
+            torch.cuda.synchronize()
+            if k >= 20:
+                lat["nccl"].append((time.perf_counter() - t0) / 2)
+        else:
+            dist.recv(ping, 0)
+            dist.send(ping, 0)
+    dist.barrier()
+    out = None
+    if rank == 0:
+        out = {
+            "bandwidth": rows,
+            "latency_us": {
+                k: {"p50": statistics.median(v) * 1e6, "p99": sorted(v)[int(0.99 * (len(v) - 1))] * 1e6}
+                for k, v in lat.items()
+            },
+            "gpus": [torch.cuda.get_device_name(d) for d in range(torch.cuda.device_count())],
+            "torch": torch.__version__,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+            "p2p": torch.cuda.can_device_access_peer(0, 1),
+        }
+    e.close()
+    dist.destroy_process_group()
+    return out
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--latency-reps", type=int, default=200)
+    ap.add_argument("--fabric-only", action="store_true", help="Leave NCCL's transfers out.")
+    args = ap.parse_args()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+    ctx = mp.get_context("spawn")
+    pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
+    procs = [
+        ctx.Process(
+            target=_rank,
+            args=(r, store.port, args.reps, args.latency_reps, pipes[r][1], not args.fabric_only),
+        )
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    got = [pipes[r][0].recv() for r in range(2)]
+    for p in procs:
+        p.join(60)
+    bad = [body for status, body in got if status != "ok"]
+    if bad:
+        raise SystemExit("; ".join(bad))
+    result = got[0][1]
+    result["reps"] = args.reps
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    for row in result["bandwidth"]:
+        sys.stdout.write(
+            f"{row['bytes'] >> 10:>8} KiB x{row['burst']:<3} fabric {row['fabric_gbytes_per_s']:7.1f} GB/s  "
+            f"NCCL {row['nccl_gbytes_per_s']:7.1f} GB/s  fabric/NCCL {row['ratio']:.2f}\n"
+        )
+    sys.stdout.write(f"4 KiB half round trip (us): {json.dumps(result['latency_us'])}\n")
+
+
+if __name__ == "__main__":
+    main()
