@@ -42,14 +42,19 @@ def _rank(rank: int, port: int, reps: int, latency_reps: int, conn: Any, nccl_on
 
 
 def _body(rank: int, port: int, reps: int, latency_reps: int, nccl_on: bool = True) -> Any:
+    import os
+
     import torch
     import torch.distributed as dist
 
     from fabric_core import MemoryRegionDescriptor, WriteRequest, open_engine
 
-    torch.cuda.set_device(rank)
+    same = bool(os.environ.get("GPU_TWO_SAME_GPU"))  # diagnosis: both ranks on GPU 0, gloo
+    torch.cuda.set_device(0 if same else rank)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=40))  # type: ignore[attr-defined]
-    dist.init_process_group("nccl", store=dist.PrefixStore("nccl", store), rank=rank, world_size=2)  # type: ignore[attr-defined]
+    dist.init_process_group(  # type: ignore[attr-defined]
+        "gloo" if same else "nccl", store=dist.PrefixStore("pg", store), rank=rank, world_size=2
+    )
     e = open_engine("efa", efa_provider="shm")
     top = max(SIZES)
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -67,7 +72,6 @@ def _body(rank: int, port: int, reps: int, latency_reps: int, nccl_on: bool = Tr
     pping = MemoryRegionDescriptor.from_bytes(store.get(f"ping/{peer}"))
     torch.cuda.synchronize()
     rows: list[dict[str, Any]] = []
-    counted = {}  # imm -> imms counted so far at rank 1 (counters are cumulative)
     for i, size in enumerate(SIZES):
         imm, burst = 1000 + i, _burst(size)
         fab, nccl = [], []
@@ -84,8 +88,7 @@ def _body(rank: int, port: int, reps: int, latency_reps: int, nccl_on: bool = Tr
                 fab.append(end - t0)
             else:
                 n = int(store.get(f"n/{i}/{rep}"))
-                counted[imm] = counted.get(imm, 0) + n
-                e.counter(imm).wait(counted[imm], timeout=30)
+                e.counter(imm).wait(n, timeout=30)  # a wait consumes what it counted
                 store.set(f"t/{i}/{rep}", repr(time.perf_counter()))
                 if rep == 0:
                     store.set(f"sum/{i}", str(int(buf[:size].to(torch.int64).sum().item())))
@@ -131,14 +134,14 @@ def _body(rank: int, port: int, reps: int, latency_reps: int, nccl_on: bool = Tr
         if rank == 0:
             t0 = time.perf_counter()
             e.submit(WriteRequest(rp, 0, 4096, pping, 0, imm=2000))
-            e.counter(2001).wait(k + 1, timeout=60)
+            e.counter(2001).wait(1, timeout=60)
             if k >= 20:
                 lat["fabric"].append((time.perf_counter() - t0) / 2)
         else:
-            e.counter(2000).wait(k + 1, timeout=60)
+            e.counter(2000).wait(1, timeout=60)
             e.submit(WriteRequest(rp, 0, 4096, pping, 0, imm=2001))
     dist.barrier()
-    for k in range(count):
+    for k in range(count if nccl_on else 0):
         if rank == 0:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -158,6 +161,7 @@ def _body(rank: int, port: int, reps: int, latency_reps: int, nccl_on: bool = Tr
             "latency_us": {
                 k: {"p50": statistics.median(v) * 1e6, "p99": sorted(v)[int(0.99 * (len(v) - 1))] * 1e6}
                 for k, v in lat.items()
+                if v
             },
             "gpus": [torch.cuda.get_device_name(d) for d in range(torch.cuda.device_count())],
             "torch": torch.__version__,
