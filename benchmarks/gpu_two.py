@@ -10,7 +10,9 @@ rank 1 having all of it (fabric: its counter reached the burst's ``imms_at_targe
 recvs synchronized). Both ranks read one monotonic clock (one host). Then the imm latency: a
 4 KiB ping-pong, half the round trip, fabric against NCCL. The first burst of each size is
 checked (a checksum of the bytes at rank 1). Medians over ``--reps``; ratios fabric/NCCL of
-bandwidth.
+bandwidth. ``--fabric-only`` leaves NCCL's transfers out; with ``GPU_TWO_SAME_GPU=1`` both
+ranks use GPU 0 and gloo (for diagnosis: NCCL refuses two ranks on one GPU; use it with
+``--fabric-only``).
 """
 
 from __future__ import annotations
