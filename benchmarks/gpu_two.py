@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -44,8 +45,6 @@ def _rank(rank: int, port: int, reps: int, latency_reps: int, conn: Any, nccl_on
 
 
 def _body(rank: int, port: int, reps: int, latency_reps: int, nccl_on: bool = True) -> Any:
-    import os
-
     import torch
     import torch.distributed as dist
 

@@ -44,6 +44,10 @@ def test_a_run_joins_a_decoder_kills_a_prefill_and_leaks_nothing(model: str) -> 
     late = s["per_decoder"]["decode-1"]
     assert late["completed"] > 0 and late["joined_s"] == pytest.approx(spec.serve_s / 3, abs=0.5)
     assert s["leaked_pages"] == 0 and all(d["leak"] is None for d in s["per_decoder"].values())
+    assert all(d["idle_at_end"] for d in s["per_decoder"].values())
+    # the surviving prefill saw every job it ran end well; the killed one reports nothing
+    jobs = s["prefill_jobs"]
+    assert jobs["prefill-0"] is None and set(jobs["prefill-1"]) == {"ok"} and jobs["prefill-1"]["ok"] > 0
     checked = sum(d["checked"] for d in s["per_decoder"].values())
     assert checked >= s["completed"] + t["requests"]  # the warm-up's requests are checked too
     # each decoder compares every verify_every-th of its own requests byte for byte

@@ -30,6 +30,7 @@ fails the benchmark instead of being timed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -117,15 +118,20 @@ class KvBenchSpec:
             raise ConfigError(f"prefills and decodes must be >= 1, got {self.prefills} and {self.decodes}")
         if self.kill_prefill and self.prefills < 2:
             raise ConfigError("kill_prefill needs at least 2 prefill instances (one must survive)")
-        for name in ("throughput_s", "serve_s", "timeout"):
-            if not getattr(self, name) >= 0 or (name == "timeout" and not self.timeout > 0):
-                raise ConfigError(f"{name} must be >= 0 (timeout > 0), got {getattr(self, name)!r}")
-        if not 0 <= self.warmup_s < max(self.throughput_s, 1e-9) and self.throughput_s > 0:
+        if not (self.throughput_s >= 0 and self.serve_s >= 0 and self.timeout > 0):
+            raise ConfigError(
+                f"throughput_s and serve_s must be >= 0 and timeout > 0, got {self.throughput_s}, "
+                f"{self.serve_s}, {self.timeout}"
+            )
+        if self.throughput_s > 0 and not 0 <= self.warmup_s < self.throughput_s:
             raise ConfigError(f"warmup_s must be in [0, throughput_s), got {self.warmup_s}")
+        if self.layers is not None and self.layers < 1:
+            raise ConfigError(f"layers must be >= 1, got {self.layers}")
         if not self.rate > 0 or self.window < 1 or self.verify_every < 1 or self.max_inflight < 1:
             raise ConfigError("rate must be > 0; window, verify_every and max_inflight >= 1")
         if not 1 <= self.min_tokens <= self.max_tokens:
             raise ConfigError(f"need 1 <= min_tokens <= max_tokens, got {self.min_tokens}, {self.max_tokens}")
+        self.layout(1)  # the model and kv_split make a layout (ConfigError if not)
         most = max(self.max_tokens, self.throughput_tokens)
         pages = self.pages(most)
         if pages > self.prefill_blocks or pages > self.decode_blocks:
@@ -133,9 +139,6 @@ class KvBenchSpec:
                 f"a {most}-token prompt needs {pages} pages: raise prefill_blocks ({self.prefill_blocks}) "
                 f"and decode_blocks ({self.decode_blocks}) to at least that"
             )
-        if self.layers is not None and self.layers < 1:
-            raise ConfigError(f"layers must be >= 1, got {self.layers}")
-        self.layout(1)  # the model and kv_split make a layout
 
     def layout(self, num_blocks: int) -> KvLayout:
         """The model's layout over ``num_blocks`` pages (with ``layers`` and ``kv_split``)."""
@@ -144,11 +147,15 @@ class KvBenchSpec:
             base = llama31_70b(num_blocks, kv_split=self.kv_split)  # type: ignore[arg-type]
         return replace(base, num_layers=self.layers) if self.layers is not None else base
 
+    @functools.cached_property
+    def _format(self) -> KvLayout:  # the page format, over one page (per-request arithmetic)
+        return self.layout(1)
+
     def pages(self, tokens: int) -> int:
-        return -(-tokens // self.layout(1).block_size)
+        return -(-tokens // self._format.block_size)
 
     def request_bytes(self, pages: int) -> int:
-        lay = self.layout(1)
+        lay = self._format
         return pages * lay.num_layers * len(lay.segments) * lay.page_bytes
 
 
@@ -162,12 +169,10 @@ def source_table(request_id: str, num_pages: int, prefill_blocks: int) -> list[i
     return rng.sample(range(prefill_blocks), num_pages)
 
 
-def _stamp(prefill: int, layer: int, segment: int, block: int, tail: bool) -> int:
-    return (
-        ((_MAGIC << 56) | ((prefill & 0xFF) << 48) | ((layer & 0xFFF) << 36) | ((segment & 0xF) << 32))
-        | ((block & 0x7FFFFFFF) << 1)
-        | int(tail)
-    )
+def _stamp_base(prefill: int, layer: int, segment: int) -> int:
+    """Stamps of (prefill, layer, segment): source page p's head word is ``base + 2p``, its
+    tail word ``base + 2p + 1``."""
+    return (_MAGIC << 56) | ((prefill & 0xFF) << 48) | ((layer & 0xFFF) << 36) | ((segment & 0xF) << 32)
 
 
 class _Words:
@@ -191,7 +196,7 @@ class _Words:
         for layer, tensors in enumerate(self.flat):
             for s, seg in enumerate(self.layout.segments):
                 head, tail = self.index(s, blocks)
-                base = _stamp(prefill, layer, s, 0, False)
+                base = _stamp_base(prefill, layer, s)
                 tensors[seg.tensor][head] = base + 2 * blocks
                 tensors[seg.tensor][tail] = base + 2 * blocks + 1
 
@@ -202,7 +207,7 @@ class _Words:
         for layer, tensors in enumerate(self.flat):
             for s, seg in enumerate(self.layout.segments):
                 head, tail = self.index(s, pages)
-                base = _stamp(prefill, layer, s, 0, False)
+                base = _stamp_base(prefill, layer, s)
                 got_h, got_t = tensors[seg.tensor][head], tensors[seg.tensor][tail]
                 bad = (got_h != base + 2 * src) | (got_t != base + 2 * src + 1)
                 if bool(bad.any()):
@@ -539,8 +544,6 @@ class _Decoder:
             "idle": idle,
             "leak": leak,
             "pages_used": stats.pages_used,
-            "completed": stats.completed,
-            "failed": stats.failed,
         }
 
 
@@ -899,6 +902,7 @@ def _summarise(
             ),
             "joined_s": d["joined"] - marks["serve_go"],
             "pages_used_at_end": d["pages_used"],
+            "idle_at_end": d["idle"],
             "leak": d["leak"],
             "checked": d["checked"],
             "verified": d["verified"],
@@ -926,6 +930,8 @@ def _summarise(
         "end_to_end_ms_p99": _pct([(r["done"] - r["arrival"]) * 1e3 for r in ok], 0.99),
         "per_decoder": per_decoder,
         "per_prefill": dict(sorted(per_prefill.items())),
+        # each prefill's jobs by outcome, as it saw them (the killed one reports nothing)
+        "prefill_jobs": {n: r.get("outcomes") for n, r in sorted(results.items()) if n.startswith("prefill")},
         "leaked_pages": sum(d["pages_used"] for d in decoders.values()),
         "events_s": {
             k: v - marks["serve_go"] for k, v in marks.items() if k in ("add_decode", "kill_prefill")

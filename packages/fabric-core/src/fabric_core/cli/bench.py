@@ -259,6 +259,16 @@ def resolve_backend(name: str, settings: FabricSettings, notice: Callable[[str],
     return registry.select_backend(settings.model_copy(update={"backend": name})).name
 
 
+def backend_option(fn: Any) -> Any:
+    """``--backend NAME`` of an application benchmark (resolved by ``app_backend``)."""
+    return click.option(
+        "--backend",
+        metavar="NAME",
+        default=None,
+        help="efa, verbs, sim or auto.  [default: FABRIC_BACKEND, else auto]",
+    )(fn)
+
+
 def app_backend(backend: str | None) -> str:
     """The backend an application benchmark runs on: ``--backend``, else ``FABRIC_BACKEND``,
     else auto; a bad name is a usage error, a missing backend a clear one."""

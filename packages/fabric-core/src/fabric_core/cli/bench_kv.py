@@ -12,7 +12,7 @@ import click
 
 from ..errors import ConfigError, FabricError
 from ._util import app_module, output_options, pyplot, write_json
-from .bench import app_backend
+from .bench import app_backend, backend_option
 
 __all__ = ["bench_kv"]
 
@@ -133,12 +133,7 @@ def _plot(results: list[Any], path: Path) -> None:
 
 
 @click.command("kv")
-@click.option(
-    "--backend",
-    metavar="NAME",
-    default=None,
-    help="efa, verbs, sim or auto.  [default: FABRIC_BACKEND, else auto]",
-)
+@backend_option
 @click.option(
     "--model",
     "models",

@@ -10,7 +10,7 @@ import click
 
 from ..errors import ConfigError, FabricError
 from ._util import app_module, output_options, pyplot, write_json
-from .bench import app_backend
+from .bench import app_backend, backend_option
 
 __all__ = ["bench_moe"]
 
@@ -95,12 +95,7 @@ def _us(us: float) -> str:
 
 
 @click.command("moe")
-@click.option(
-    "--backend",
-    metavar="NAME",
-    default=None,
-    help="efa, verbs, sim or auto.  [default: FABRIC_BACKEND, else auto]",
-)
+@backend_option
 @click.option(
     "--ranks", type=click.IntRange(1, 64), default=2, show_default=True, help="Expert-parallel ranks."
 )

@@ -893,7 +893,7 @@ class Engine {
                     Parked& pk = park[park_key(n, *op)];
                     if (pk.ops.empty()) pk.since = now_;
                     pk.ops.push_back(op);
-                    if (park.size() >= kMaxParked) break;  // so many full peers: the NIC itself is
+                    if (park.size() >= kMaxParked) break;  // so many full peers: the NIC itself is full
                     continue;
                 }
                 after_post(n, op, rc);
