@@ -287,11 +287,9 @@ def efa_bench(session: nox.Session) -> None:
     )
 
 
-@nox.session(name="kv-bench")
-def kv_bench(session: nox.Session) -> None:
-    """``fabric bench kv`` on fabric-efa over shm at both model shapes, with the raw-libfabric
-    ceiling run before and after in the same invocation; JSON and plot to benchmarks/results
-    (kv-shm.*). Options after -- go to ``fabric bench kv``."""
+def _app_bench_on_shm(session: nox.Session, app: str, stem: str) -> None:
+    """``fabric bench APP`` on fabric-efa over shm with the raw-libfabric ceiling built and run
+    in the same invocation; JSON and plot to benchmarks/results/STEM.*."""
     _install(session, editable=False)
     _system_packages(session, "libfabric-dev", "gcc", "g++", "cmake", "pkg-config")
     session.install(*CONSTRAINTS, "pybind11", "scikit-build-core", "matplotlib", "torch")
@@ -304,18 +302,34 @@ def kv_bench(session: nox.Session) -> None:
     session.run(
         "fabric",
         "bench",
-        "kv",
+        app,
         "--backend",
         "efa",
         "--ceiling",
         str(build),
         "--json",
-        str(out / "kv-shm.json"),
+        str(out / f"{stem}.json"),
         "--plot",
-        str(out / "kv-shm.png"),
+        str(out / f"{stem}.png"),
         *session.posargs,
         env={"FI_TCP_IFACE": "lo", "FABRIC_EFA_PROVIDER": "shm"},
     )
+
+
+@nox.session(name="kv-bench")
+def kv_bench(session: nox.Session) -> None:
+    """``fabric bench kv`` on fabric-efa over shm at both model shapes, with the raw-libfabric
+    ceiling run before and after in the same invocation; JSON and plot to benchmarks/results
+    (kv-shm.*). Options after -- go to ``fabric bench kv``."""
+    _app_bench_on_shm(session, "kv", "kv-shm")
+
+
+@nox.session(name="rl-bench")
+def rl_bench(session: nox.Session) -> None:
+    """``fabric bench rl`` on fabric-efa over shm (4 trainers -> 2 inference ranks, the 2 GiB
+    model), with the raw-libfabric ceiling run before and after in the same invocation; JSON
+    and plot to benchmarks/results (rl-shm.*). Options after -- go to ``fabric bench rl``."""
+    _app_bench_on_shm(session, "rl", "rl-shm")
 
 
 @nox.session

@@ -232,12 +232,21 @@ def test_adjacent_copies_coalesce_into_one_write() -> None:
     assert len(plan) == 2
     assert [(e.src_rank, e.dst_rank, e.length) for e in plan.entries()] == [(0, 0, 5 * 64), (1, 1, 5 * 64)]
     assert plan.expected_imms(0) == {0: 1} and plan.expected_imms(1) == {1: 1}
-    # a column split at the destination cuts every row of the source's slices
-    col = make_plan(
-        spec, FleetSpec(2, tuple(ParamSpec(p.name, p.shape, p.dtype, tp_column()) for p in params))
-    )
-    assert len(col) == 2 * 2 * 2 * 5  # 2 sources x 2 destinations x 2 rows each x 5 parameters
-    _check(col)
+    # a column split at the destination cuts every row of the source's slices: one copy per
+    # row unpacked, one packed write per (source, destination, parameter) packed
+    cols = FleetSpec(2, tuple(ParamSpec(p.name, p.shape, p.dtype, tp_column()) for p in params))
+    unpacked = make_plan(spec, cols, PlanOptions(pack_bytes=0))
+    assert len(unpacked) == 2 * 2 * 2 * 5  # 2 sources x 2 destinations x 2 rows each x 5 parameters
+    assert unpacked.packed_bytes == 0
+    _check(unpacked)
+    packed = make_plan(spec, cols)
+    assert len(packed) == 2 * 2 * 5
+    entries = list(packed.entries())
+    # each gathers the source's 2 rows (32 B apart: one row of 8 floats) into 2 x 16 B
+    assert {(e.count, e.src_stride, e.length, e.src_length) for e in entries} == {(2, 32, 32, 32)}
+    assert all(e.staged for e in entries) and packed.packed_bytes == packed.total_bytes
+    assert packed.expected_imms(0) == {0: 5, 1: 5}
+    _check(packed)
 
 
 def test_replicated_bytes_are_spread_over_every_replica() -> None:

@@ -1,10 +1,8 @@
-"""Helpers of the weight-update tests: a single-process torch reference reshard, a plan
-applied without a fabric, and a rig that runs every rank of both fleets on one private
-simulated fabric, each rank in its own thread.
-
-The reference never uses the planner: a rank's piece is cut from the full tensor with torch
-(``narrow``, ``reshape``, indexing) by the definitions in ``fabric_apps.weights.spec``, and
-placed in the rank's buffer through ``LocalLayout.views`` (the buffer format itself).
+"""Helpers of the weight-update tests: buffers and images from the single-process torch
+reference reshard (``fabric_apps.weights.reference``), a plan applied without a fabric, and a
+rig that runs every rank of both fleets on one private simulated fabric, each rank in its own
+thread. Pieces are placed in a rank's buffer through ``LocalLayout.views`` (the buffer format
+itself).
 """
 
 from __future__ import annotations
@@ -30,62 +28,11 @@ from fabric_apps.weights import (
     WeightsSender,
     make_plan,
 )
+from fabric_apps.weights.reference import full_tensors, real_elements, shard
 from fabric_core import TransferEngine
 from fabric_sim import SimFabric
 
 T = 10.0  # every wait in these tests is bounded by this many seconds
-FLOATS = {"float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"}
-
-
-# --- the reference -------------------------------------------------------------------------------
-def full_tensors(spec: FleetSpec, seed: int) -> dict[str, torch.Tensor]:
-    """One full tensor per parameter in the fleet's dtype (finite values: casts are exact to compare)."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for p in spec.params:
-        if p.dtype in FLOATS:
-            out[p.name] = (torch.randn(p.shape, generator=g) * 4).to(getattr(torch, p.dtype))
-        else:
-            out[p.name] = torch.randint(0, 100, p.shape, generator=g).to(getattr(torch, p.dtype))
-    return out
-
-
-def _group(world: int, replicas: int, rank: int) -> tuple[int, int]:
-    g = world // replicas
-    return g, rank % g
-
-
-def shard(full: torch.Tensor, p: ParamSpec, world: int, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s local piece of ``full`` under ``p.sharding`` (FSDP: padded with zeros)."""
-    s = p.sharding
-    if isinstance(s, Replicated):
-        return full.clone()
-    if isinstance(s, FsdpShard):
-        g, i = _group(world, s.replicas, rank)
-        flat = full.reshape(-1)
-        c = -(-flat.numel() // g)
-        out = torch.zeros(c, dtype=full.dtype)
-        piece = flat[i * c : (i + 1) * c]
-        out[: piece.numel()] = piece
-        return out
-    if isinstance(s, TensorParallel):
-        g, i = _group(world, s.replicas, rank)
-        size = full.shape[s.dim]
-        c = -(-size // g)
-        lo = min(i * c, size)
-        return full.narrow(s.dim, lo, min(lo + c, size) - lo).contiguous()
-    assert isinstance(s, ExpertPlacement)
-    return full[torch.tensor(list(s.experts[rank]), dtype=torch.long)].contiguous()
-
-
-def real_elements(p: ParamSpec, world: int, rank: int) -> int:
-    """Elements of rank ``rank``'s local piece that are parameter data (not FSDP padding)."""
-    local = p.sharding.local_shape(p.shape, world, rank)
-    n = int(np.prod(local)) if local else 1
-    if isinstance(p.sharding, FsdpShard):
-        _g, i = _group(world, p.sharding.replicas, rank)
-        return max(0, min(n, p.numel - i * n))
-    return n
 
 
 def source_buffer(spec: FleetSpec, rank: int, fulls: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -128,12 +75,15 @@ def param_mask(spec: FleetSpec, rank: int) -> np.ndarray[Any, np.dtype[np.bool_]
 def apply_plan(plan: TransferPlan, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor]) -> None:
     """Do what the plan says with plain copies (and torch casts), without a fabric."""
     for e in plan.entries():
-        s = srcs[e.src_rank][e.src_offset : e.src_offset + e.src_length]
-        d = dsts[e.dst_rank][e.dst_offset : e.dst_offset + e.length]
-        if e.cast is None:
-            d.copy_(s)
-        else:
-            d.view(getattr(torch, e.cast[1])).copy_(s.view(getattr(torch, e.cast[0])))
+        piece, out = e.src_length // e.count, e.length // e.count
+        for i in range(e.count):  # a packed row: its pieces, one by one
+            at = e.src_offset + i * e.src_stride
+            s = srcs[e.src_rank][at : at + piece]
+            d = dsts[e.dst_rank][e.dst_offset + i * out : e.dst_offset + (i + 1) * out]
+            if e.cast is None:
+                d.copy_(s)
+            else:
+                d.view(getattr(torch, e.cast[1])).copy_(s.view(getattr(torch, e.cast[0])))
 
 
 def coverage(plan: TransferPlan) -> list[np.ndarray[Any, np.dtype[np.int64]]]:

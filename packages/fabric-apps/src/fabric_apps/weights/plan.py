@@ -18,10 +18,14 @@ NIC, and whether the bytes are cast on the way. The steps:
 3. **Coalescing.** Copies from one source to one destination that are adjacent in both
    buffers (and share a cast) become one write: adjacent parameters packed in the same
    order, whole TP slices, neighbouring experts.
-4. **Splitting.** A write is cut at ``max_write_bytes`` (the senders' largest work request,
-   so every write is exactly one work request and one imm at its target); a write that is
-   cast is cut into staging chunks of ``chunk_bytes``; a large write is cut into up to one
-   piece per NIC (pieces of at least ``nic_split_bytes``, 4 KiB aligned).
+4. **Packing and splitting.** A series of copies shorter than ``pack_bytes``, from one
+   source to one destination, back to back at the destination and equally spaced at the
+   source (a TP column slice of row-major rows: one copy per row), becomes one packed row
+   (``src_stride``, ``count``) that the sender gathers in its staging pool. A write is cut
+   at ``max_write_bytes`` (the senders' largest work request, so every write is exactly one
+   work request and one imm at its target); a write that is cast or packed is cut into
+   staging chunks of ``chunk_bytes`` (whole elements, whole pieces); a large write is cut
+   into up to one piece per NIC (pieces of at least ``nic_split_bytes``, 4 KiB aligned).
 5. **Routing.** Writes are placed on NICs largest first, each on the NIC where its source's
    and its destination's bytes so far sum lowest, so both ends spread over every NIC.
 
@@ -56,10 +60,10 @@ logger = logging.getLogger(__name__)
 
 IntArray = np.ndarray[Any, np.dtype[np.int64]]
 _I64 = np.int64
-COLUMNS = ("src_rank", "src_offset", "dst_rank", "dst_offset", "length", "nic", "cast")
+COLUMNS = ("src_rank", "src_offset", "dst_rank", "dst_offset", "length", "nic", "cast", "src_stride", "count")
 _ALIGN = 4096  # NIC pieces of a raw write are cut at multiples of this
 _MAGIC = b"FWPL"
-_VERSION = 1
+_VERSION = 2  # 2: packed rows (src_stride, count)
 _HEAD = struct.Struct("<4sBI")
 _CRC = struct.Struct("<I")
 
@@ -83,7 +87,9 @@ class PlanOptions:
     ``stage_chunk_bytes`` (0: a quarter of it) the size of one staged write. ``split_bytes``:
     smallest piece a replicated run is cut into across its holders. ``nic_split_bytes``:
     smallest piece a write is cut into across NICs. ``imm_base``: first of the plan's 2**24
-    imm values (see ``fabric_apps.weights.imms``).
+    imm values (see ``fabric_apps.weights.imms``). ``pack_bytes``: copies shorter than this
+    that form a strided series (a TP column slice of row-major source rows) are packed into
+    one staged write (0: never).
     """
 
     num_nics: int = 1
@@ -93,6 +99,7 @@ class PlanOptions:
     split_bytes: int = 1 << 20
     nic_split_bytes: int = 1 << 20
     imm_base: int = DEFAULT_IMM_BASE
+    pack_bytes: int = 64 << 10
 
     def __post_init__(self) -> None:
         _int(self.num_nics, "num_nics", 1, 64)
@@ -103,6 +110,7 @@ class PlanOptions:
             raise ConfigError(f"stage_chunk_bytes must be 0 or at least 8, got {chunk}")
         _int(self.split_bytes, "split_bytes", 1)
         _int(self.nic_split_bytes, "nic_split_bytes", 1)
+        _int(self.pack_bytes, "pack_bytes", 0)
         ImmScheme(self.imm_base)
 
     @property
@@ -127,7 +135,9 @@ class PlanOptions:
 class PlanEntry:
     """One write of a plan: ``length`` bytes at ``dst_offset`` of destination ``dst_rank``'s
     buffer, from ``src_length`` bytes at ``src_offset`` of source ``src_rank``'s buffer (the
-    same bytes, or the same elements in another dtype when ``cast`` names the pair)."""
+    same bytes, or the same elements in another dtype when ``cast`` names the pair). A packed
+    write (``count`` > 1) reads ``count`` equal pieces, piece ``i`` at ``src_offset + i *
+    src_stride``, and writes them back to back."""
 
     src_rank: int
     src_offset: int
@@ -137,6 +147,13 @@ class PlanEntry:
     length: int
     nic: int
     cast: tuple[str, str] | None
+    src_stride: int = 0
+    count: int = 1
+
+    @property
+    def staged(self) -> bool:
+        """Goes through the sender's staging pool (cast or packed)."""
+        return self.cast is not None or self.count > 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +186,8 @@ class TransferPlan:
     Built by ``make_plan`` (or ``from_bytes``/``from_json``); immutable. Columns (numpy
     int64, read-only, one row per write): ``src_rank``, ``src_offset``, ``dst_rank``,
     ``dst_offset``, ``length`` (bytes written at the destination), ``nic``, ``cast`` (index
-    into ``casts``, -1 for a plain copy).
+    into ``casts``, -1 for a plain copy), ``src_stride`` and ``count`` (a packed write:
+    ``count`` equal pieces read ``src_stride`` bytes apart; 0 and 1 otherwise).
     """
 
     __slots__ = (
@@ -225,6 +243,8 @@ class TransferPlan:
             ("length", 1, self.options.max_write_bytes),
             ("src_offset", 0, None),
             ("dst_offset", 0, None),
+            ("src_stride", 0, None),
+            ("count", 1, None),
         )
         for name, low, high in checks:
             col = c[name]
@@ -232,7 +252,10 @@ class TransferPlan:
                 raise ConfigError(f"plan column {name} holds values outside [{low}, {high}]")
         if c["src_rank"].size > 1 and (np.diff(c["src_rank"]) < 0).any():
             raise ConfigError("plan rows must be sorted by source rank")
-        s_end = c["src_offset"] + self.src_lengths()
+        packed = c["count"] > 1
+        if (c["length"][packed] % c["count"][packed]).any():
+            raise ConfigError("a packed plan row's length must be a multiple of its count")
+        s_end = c["src_offset"] + self.src_lengths() // c["count"] + (c["count"] - 1) * c["src_stride"]
         d_end = c["dst_offset"] + c["length"]
         s_size = np.array([self.source.layout(r).nbytes for r in range(S)], _I64)
         d_size = np.array([self.destination.layout(r).nbytes for r in range(D)], _I64)
@@ -246,7 +269,8 @@ class TransferPlan:
         return s, d
 
     def src_lengths(self) -> IntArray:
-        """Bytes each row reads at its source (``length`` converted to the source dtype)."""
+        """Bytes each row reads at its source (``length`` converted to the source dtype; a
+        packed row reads them in ``count`` pieces)."""
         s, d = self._itemsizes()
         k = self.columns["cast"] + 1
         out: IntArray = self.columns["length"] // d[k] * s[k]
@@ -292,6 +316,8 @@ class TransferPlan:
                 int(c["length"][i]),
                 int(c["nic"][i]),
                 None if k < 0 else self.casts[k],
+                int(c["src_stride"][i]),
+                int(c["count"][i]),
             )
 
     def expected_imms(self, dst: int) -> dict[int, int]:
@@ -344,16 +370,25 @@ class TransferPlan:
         """Bytes on the wire per step."""
         return int(self.columns["length"].sum())
 
+    def staged_rows(self) -> np.ndarray[Any, np.dtype[np.bool_]]:
+        """Rows that go through the senders' staging pools: cast or packed."""
+        return (self.columns["cast"] >= 0) | (self.columns["count"] > 1)
+
     @property
     def staged_bytes(self) -> int:
-        """Bytes per step that go through senders' staging pools (cast)."""
-        return int(self.columns["length"][self.columns["cast"] >= 0].sum())
+        """Bytes per step that go through senders' staging pools (cast or packed)."""
+        return int(self.columns["length"][self.staged_rows()].sum())
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes per step written by packed rows (strided pieces gathered at the source)."""
+        return int(self.columns["length"][self.columns["count"] > 1].sum())
 
     def explain(self, max_rows: int = 32) -> str:
         """A human-readable summary: sizes, writes, casts, imms, balance, per-rank tables."""
         c, b, o = self.columns, self.balance(), self.options
         S, D = self.source.world_size, self.destination.world_size
-        staged = c["cast"] >= 0
+        staged = self.staged_rows()
         lines = [
             f"weights plan {self.digest()[:12]}: {S} source ranks -> {D} destination ranks, "
             f"{o.num_nics} NIC{'s' if o.num_nics > 1 else ''} per rank, "
@@ -366,6 +401,12 @@ class TransferPlan:
             lines.append(
                 f"  cast at the source: {pairs}: {_size(self.staged_bytes)} through a staging pool of "
                 f"{_size(o.staging_bytes)} in chunks of at most {_size(o.chunk_bytes)}"
+            )
+        packed = c["count"] > 1
+        if packed.any():
+            lines.append(
+                f"  packed at the source: {_size(self.packed_bytes)} in {int(packed.sum())} writes gathered "
+                f"from {int(c['count'][packed].sum())} strided pieces (copies under {_size(o.pack_bytes)})"
             )
         lines += [
             f"  {self.imms.describe()}",
@@ -747,6 +788,7 @@ def make_plan(source: FleetSpec, destination: FleetSpec, options: PlanOptions | 
     s_isz_of = np.array([1] + [itemsize(a) for a, _ in casts], _I64)
     d_isz_of = np.array([1] + [itemsize(b) for _, b in casts], _I64)
     cols = _coalesce(rows.arrays(), s_isz_of, d_isz_of)
+    cols = _pack(cols, min(options.pack_bytes, options.max_write_bytes, options.chunk_bytes))
     cols = _split(cols, options, s_isz_of, d_isz_of)
     nic = _route(cols, options.num_nics, S, D)
     order = np.lexsort((cols["doff"], cols["cast"], nic, cols["dst"], cols["src"]))
@@ -758,6 +800,8 @@ def make_plan(source: FleetSpec, destination: FleetSpec, options: PlanOptions | 
         "length": cols["len"][order],
         "nic": nic[order],
         "cast": cols["cast"][order],
+        "src_stride": cols["stride"][order],
+        "count": cols["count"][order],
     }
     plan = TransferPlan(source, destination, options, tuple(casts), columns)
     logger.debug("weights: planned %r", plan)
@@ -785,14 +829,70 @@ def _coalesce(c: dict[str, IntArray], s_isz: IntArray, d_isz: IntArray) -> dict[
     return out
 
 
+def _pack(c: dict[str, IntArray], below: int) -> dict[str, IntArray]:
+    """Join series of short copies (under ``below`` bytes: one piece always fits a write and
+    a staging chunk) from one source to one destination,
+    with one cast, of equal length, back to back at the destination and equally spaced at the
+    source (a TP column slice read from row-major rows: one copy per row), into packed rows:
+    the sender gathers the pieces into a staging slot and writes them as one."""
+    n = c["len"].size
+    c = {**c, "stride": np.zeros(n, _I64), "count": np.ones(n, _I64)}
+    if below <= 0 or n < 2:
+        return c
+    cand = np.flatnonzero(c["len"] < below)
+    if cand.size < 2:
+        return c
+    order = cand[np.lexsort((c["doff"][cand], c["cast"][cand], c["dst"][cand], c["src"][cand]))]
+    src, dst, cast = c["src"][order], c["dst"][order], c["cast"][order]
+    soff, doff, ln = c["soff"][order], c["doff"][order], c["len"][order]
+    # link i: row i+1 can follow row i in one series (the stride must then stay the same)
+    link = (
+        (src[1:] == src[:-1])
+        & (dst[1:] == dst[:-1])
+        & (cast[1:] == cast[:-1])
+        & (ln[1:] == ln[:-1])
+        & (doff[:-1] + ln[:-1] == doff[1:])
+        & (soff[1:] > soff[:-1])
+    )
+    step = np.diff(soff)
+    starts, counts, strides = [], [], []
+    i, m = 0, order.size
+    links, steps = link.tolist(), step.tolist()
+    while i < m:
+        j = i
+        while j + 1 < m and links[j] and (j == i or steps[j] == steps[i]):
+            j += 1
+        starts.append(i)
+        counts.append(j - i + 1)
+        strides.append(steps[i] if j > i else 0)
+        i = j + 1
+    first = np.array(starts, _I64)
+    count = np.array(counts, _I64)
+    series = count > 1
+    if not series.any():
+        return c
+    rows = order[first]
+    out = {k: np.delete(v, order) for k, v in c.items()}  # every candidate leaves, its series return
+    joined = {k: v[rows] for k, v in c.items()}
+    joined["len"] = joined["len"] * count
+    joined["stride"] = np.where(series, np.array(strides, _I64), 0)
+    joined["count"] = count
+    return {k: np.concatenate([out[k], joined[k]]) for k in c}
+
+
 def _split(c: dict[str, IntArray], o: PlanOptions, s_isz: IntArray, d_isz: IntArray) -> dict[str, IntArray]:
-    """Cut rows at ``max_write_bytes``, cast rows into staging chunks, large rows over NICs."""
+    """Cut rows at ``max_write_bytes``, staged rows (cast or packed) into staging chunks of
+    whole elements or whole pieces, large rows over NICs."""
     length = c["len"]
     if not length.size:
         return c
     k = c["cast"] + 1
-    di, si = d_isz[k], s_isz[k]
-    raw = c["cast"] < 0
+    packed = c["count"] > 1
+    # a unit advances ``di`` destination bytes and ``si`` source bytes; a packed row's unit is
+    # one piece (its destination bytes, and the stride at the source)
+    di = np.where(packed, length // c["count"], d_isz[k])
+    si = np.where(packed, c["stride"], s_isz[k])
+    raw = (c["cast"] < 0) & ~packed
     unit = np.where(raw, _ALIGN, di)
     cap = np.where(raw, o.max_write_bytes, np.maximum(di, min(o.max_write_bytes, o.chunk_bytes) // di * di))
     over_nics = np.minimum(o.num_nics, np.maximum(1, length // o.nic_split_bytes)) if o.num_nics > 1 else 1
@@ -814,6 +914,8 @@ def _split(c: dict[str, IntArray], o: PlanOptions, s_isz: IntArray, d_isz: IntAr
         "doff": c["doff"][rep] + off,
         "len": np.minimum(size[rep], length[rep] - off),
         "cast": c["cast"][rep],
+        "stride": c["stride"][rep],
+        "count": np.where(packed[rep], np.minimum(size[rep], length[rep] - off) // di[rep], 1),
     }
 
 

@@ -76,7 +76,9 @@ class _Chunk:
     src_length: int
     dst_offset: int
     length: int
-    cast: int
+    cast: int  # -1: same dtype (a packed chunk)
+    stride: int  # packed: source bytes from one piece to the next (0: one contiguous piece)
+    count: int  # pieces
 
 
 class _Outcome:
@@ -176,21 +178,25 @@ class WeightsSender:
         n = len(c["length"])
         self.bytes_per_step = int(sum(c["length"]))
         self.writes_per_step = n
-        self.staged_per_step = int(sum(ln for ln, k in zip(c["length"], c["cast"], strict=True) if k >= 0))
+        staged = [k >= 0 or m > 1 for k, m in zip(c["cast"], c["count"], strict=True)]
+        self.staged_per_step = int(sum(ln for ln, st in zip(c["length"], staged, strict=True) if st))
         self.destination_ranks = tuple(sorted(set(c["dst_rank"])))
         self._turn = {d: (d - rank) % D for d in range(D)}
         self._raw: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
         chunks: list[_Chunk] = []
         for i in range(n):
             d, nic, cast = c["dst_rank"][i], c["nic"][i], c["cast"][i]
-            if cast < 0:
+            if not staged[i]:
                 self._raw.setdefault((d, nic), []).append(
                     (c["length"][i], c["src_offset"][i], c["dst_offset"][i])
                 )
             else:
                 chunks.append(
-                    _Chunk(d, nic, c["src_offset"][i], src_len[i], c["dst_offset"][i], c["length"][i], cast)
-                )
+                    _Chunk(
+                        d, nic, c["src_offset"][i], src_len[i], c["dst_offset"][i], c["length"][i], cast,
+                        c["src_stride"][i], c["count"][i],
+                    )
+                )  # fmt: skip
         self._make_requests()
         # staged chunks interleaved across destinations: every destination's k-th chunk (in
         # this rank's rotation) before any destination's (k+1)-th, so the writes in flight (at
@@ -418,9 +424,7 @@ class WeightsSender:
                     outcome.fail(late.dst, TransferTimeout("no staging slot freed up before the deadline"))
                 return
             try:
-                src_dtype, dst_dtype = self._dtypes[ch.cast]
-                src = self._bytes[ch.src_offset : ch.src_offset + ch.src_length].view(src_dtype)
-                pool.buffer[offset : offset + ch.length].view(dst_dtype).copy_(src)
+                self._stage(ch, pool.buffer[offset : offset + ch.length])
                 if self._cuda:
                     torch.cuda.current_stream(pool.buffer.device).synchronize()
                 t = self.engine.submit_write(
@@ -438,6 +442,22 @@ class WeightsSender:
             t.on_done(self._release_slot(pool, offset, ch.length))
             t.on_error(self._release_failed(pool, offset, ch.length, outcome, ch.dst))
             transfers.append((ch.dst, t))
+
+    def _stage(self, ch: _Chunk, slot: Any) -> None:
+        """Cast and/or gather ``ch``'s source bytes into ``slot`` (its ``length`` bytes)."""
+        torch = _torch.module()
+        piece = ch.src_length // ch.count
+        if ch.count > 1:  # the pieces, ``stride`` apart, as the rows of one 2-D view
+            at = self._bytes.storage_offset() + ch.src_offset  # as_strided counts from the storage
+            src = torch.as_strided(self._bytes, (ch.count, piece), (ch.stride, 1), at)
+            dst = slot.view(ch.count, ch.length // ch.count)
+        else:
+            src = self._bytes[ch.src_offset : ch.src_offset + ch.src_length]
+            dst = slot
+        if ch.cast >= 0:
+            src_dtype, dst_dtype = self._dtypes[ch.cast]
+            src, dst = src.view(src_dtype), dst.view(dst_dtype)
+        dst.copy_(src)
 
     @staticmethod
     def _release_slot(pool: StagingPool, offset: int, n: int) -> Callable[[Transfer], None]:

@@ -10,6 +10,7 @@ from ..registry import installed_backends
 from .bench import bench
 from .bench_kv import bench_kv
 from .bench_moe import bench_moe
+from .bench_rl import bench_rl
 from .demo import demo
 from .info import info
 from .sim import sim
@@ -57,6 +58,7 @@ def main(log_level: str) -> None:
 main.add_command(info)
 bench.add_command(bench_moe)
 bench.add_command(bench_kv)
+bench.add_command(bench_rl)
 main.add_command(bench)
 main.add_command(demo)
 main.add_command(sim)
