@@ -355,6 +355,7 @@ def soak(session: nox.Session) -> None:
 SANITIZE = "address,undefined"
 NATIVE_TESTS = ROOT / "packages" / "fabric-core" / "tests" / "native"
 TSAN_TEST = NATIVE_TESTS / "tsan_engine.cpp"
+LIVENESS_TEST = NATIVE_TESTS / "liveness.cpp"
 # The control-frame fuzz target (libFuzzer), its corpus and the findings kept as regressions.
 FRAMES_TARGET = NATIVE_TESTS / "fuzz_frames.cpp"
 FRAMES_CORPUS = ROOT / "tests" / "fuzz" / "corpus-frames"
@@ -406,6 +407,10 @@ def _sanitize(session: nox.Session) -> None:
     cxx = ("g++", "-std=c++17", "-Wall", "-g", "-O1", "-I", str(ENGINE_INCLUDE))
     session.run(*cxx, "-fsanitize=thread", str(TSAN_TEST), "-o", tsan, "-pthread", external=True)
     session.run(tsan, external=True, env={"TSAN_OPTIONS": "halt_on_error=1:second_deadlock_stack=1"})
+    # liveness probes against a peer that cannot answer at once, under ThreadSanitizer too
+    live = str(tmp / "liveness")
+    session.run(*cxx, "-fsanitize=thread", str(LIVENESS_TEST), "-o", live, "-pthread", external=True)
+    session.run(live, external=True, env={"TSAN_OPTIONS": "halt_on_error=1:second_deadlock_stack=1"})
     # the control-frame fuzz corpus and its kept findings, replayed under ASan and UBSan
     session.run(
         *cxx,

@@ -3,7 +3,7 @@
 // registered memory; completions and arrivals are queued per NIC and reported by poll(). Every
 // NIC of the process is in one registry (FakeFabric); a NIC that is gone makes posts to it fail
 // like an unreachable peer. FakeFabric::on_send, where set, sees every message sent (the fuzz
-// target records frames with it).
+// target records frames with it). FakeNic::refuse_sends makes its next sends answer -EAGAIN.
 #pragma once
 
 #include <fabric/engine.hpp>
@@ -92,6 +92,10 @@ class FakeNic {
     }
 
     int post_send(const void* buf, size_t len, void*, uint64_t peer, void* ctx) {
+        if (refuse_sends.load() > 0) {  // a queue to the peer full of writes, as shm has it
+            refuse_sends.fetch_sub(1);
+            return -EAGAIN;
+        }
         std::string to = peer_address(peer);
         if (to.empty()) return -EHOSTUNREACH;
         bool landed = false;
@@ -229,6 +233,9 @@ class FakeNic {
     std::deque<Recv> recvs_;
     std::deque<std::string> unexpected_;
     std::atomic<uint64_t> writes_{0};
+
+  public:
+    std::atomic<int> refuse_sends{0};  // the next N sends answer -EAGAIN
 };
 
 

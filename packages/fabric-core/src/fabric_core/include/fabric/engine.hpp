@@ -139,6 +139,8 @@ struct PeerState {
     Clock::time_point heard{};           // last sign of life (answer, message, completed write)
     Clock::time_point probe_sent{};      // the outstanding probe's send time (epoch: none)
     bool probe_posted = false;           // the probe due since probe_sent is on the wire
+    Clock::time_point probe_again{};     // when it was last asked (asked again every interval)
+    Clock::time_point last_wanted{};     // the last liveness tick that some work depended on it
     uint64_t probes = 0;                 // probes sent
     bool lost = false;
     bool wanted = false;                 // scratch of the liveness tick
@@ -1188,8 +1190,8 @@ class Engine {
             } else if (buf[0] == kFramePing) {
                 // The answer leaves after everything this engine posted to the pinger before it,
                 // on the same stream where the transport has one (tcp): fence() relies on it.
-                // So frames still queued for it go first, and while any is, no answer: the
-                // pinger asks again. A fence's ping (nonce > 0; a liveness probe's is 0) is
+                // So frames still queued for it go first, and the answer waits behind them. A
+                // fence's ping (nonce > 0; a liveness probe's is 0) is
                 // answered by answer_fences(): once this engine's writes to the pinger on other
                 // NICs, which travel on streams of their own, have been reported too, and once
                 // every imm already in this engine's CQs is counted.
@@ -1198,8 +1200,15 @@ class Engine {
                         return q.to == from && q.nonce == nonce;
                     });
                     if (!known) pongs_.push_back(PendingPong{from, nonce, postings_to({from}, 1)});
-                } else if (flush_outbox(&from)) {
-                    send_frame(kFramePong, from, nullptr, nullptr, nonce);
+                } else {
+                    // Behind what is still queued for the pinger; an answer the provider cannot
+                    // take now (its queue to the pinger full of writes: -EAGAIN) waits in the
+                    // outbox rather than being dropped: the pinger would wait out its probe
+                    // timeout and declare this engine lost while its writes still land.
+                    bool asked = std::any_of(outbox_.begin(), outbox_.end(), [&](const OutFrame& f) {
+                        return f.to == from && f.type == kFramePong && f.nonce == nonce;
+                    });
+                    if (!asked) send_or_queue(kFramePong, from, nonce, std::string());
                 }
             } else if (buf[0] == kFramePong && it != peer_state_.end()) {
                 // (an answer to a fence not asked yet is a forgery, or garbage: taken for no
@@ -1916,6 +1925,17 @@ class Engine {
         for (auto& [addr, p] : peer_state_) {
             if (!p.wanted && !p.touched) continue;
             p.wanted = false;
+            // A probe left over from an earlier need (nothing depended on the peer for a while,
+            // so nothing watched for its answer) says nothing of the peer now: start afresh.
+            // Before, a wait that began long after an unanswered probe found the peer lost at
+            // once, though its writes had been landing all along.
+            if (p.probe_sent != Clock::time_point{} && p.last_wanted != Clock::time_point{} &&
+                now_ - p.last_wanted > probe_interval_) {
+                p.probe_sent = Clock::time_point{};
+                p.probe_posted = false;
+                p.heard = std::min(p.heard, now_ - probe_interval_);  // due now
+            }
+            p.last_wanted = now_;
             if (p.probe_sent != Clock::time_point{} && now_ - p.probe_sent >= probe_timeout_) {
                 auto waited = std::to_string(std::chrono::duration<double>(now_ - p.probe_sent).count()).substr(0, 5);
                 peer_lost(p, p.probe_posted ? "no answer to a liveness probe in " + waited + " s"
@@ -1923,7 +1943,14 @@ class Engine {
                                                   " s (the provider keeps refusing: connection not established)");
                 continue;
             }
-            if (p.probe_posted) continue;  // asked; waiting for the answer
+            if (p.probe_posted) {  // asked; waiting for the answer, asking again every interval
+                if (now_ - p.probe_again >= probe_interval_ && send_frame(kFramePing, addr, &p)) {
+                    p.probe_again = now_;
+                    p.probes++;
+                    probes_++;
+                }
+                continue;
+            }
             if (p.probe_sent == Clock::time_point{} && now_ - p.heard < probe_interval_) continue;
             // Due: post the probe. A provider that cannot post it now (-EAGAIN: e.g. a
             // connection that never comes up) is retried every tick, and the probe's deadline
@@ -1932,6 +1959,7 @@ class Engine {
             int error = 0;
             if (send_frame(kFramePing, addr, &p, &error)) {
                 p.probe_posted = true;
+                p.probe_again = now_;
                 p.touched = false;
                 p.probes++;
                 probes_++;

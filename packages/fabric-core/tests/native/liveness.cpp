@@ -1,0 +1,167 @@
+// Liveness probes against a peer that cannot answer at once (tests/test_native_liveness.py
+// builds and runs it):
+//
+//   g++ -std=c++17 -O1 -pthread -I packages/fabric-core/src/fabric_core/include
+//       packages/fabric-core/tests/native/liveness.cpp -o liveness && ./liveness
+//
+// Engine A waits on an imm that engine B writes, naming B, so A probes B. B's sends are
+// refused for a while (-EAGAIN: on shm, its queue to A full of writes). Found by `fabric bench
+// rl` on shm: a trainer busy writing could not post its answer, dropped it, and the inference
+// rank, which never asked again, declared the trainer lost while its writes were landing.
+//
+// 1. B's first answers are refused: they wait in B's outbox and A asks again every interval,
+//    so A's wait completes when B's imm comes, past the probe timeout.
+// 2. B answers nothing: A's wait, satisfied by B's imm before the probe timeout, completes;
+//    a second wait, well after the first (its probe long unanswered, nothing watching it),
+//    probes afresh and completes too, instead of finding B lost at once.
+// 3. B is gone: A's wait fails with kCountPeerLost within the probe timeout (and a margin).
+#include <fabric/counters.hpp>
+#include <fabric/engine.hpp>
+
+#include "fake_nic.hpp"
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+#define CHECK(cond)                                                                \
+    do {                                                                           \
+        if (!(cond)) {                                                             \
+            std::fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
+            std::exit(1);                                                          \
+        }                                                                          \
+    } while (0)
+
+using Clock = std::chrono::steady_clock;
+using fabric::CounterTable;
+using fabric_test::FakeEngine;
+using fabric_test::FakeFabric;
+
+constexpr double kInterval = 0.05, kTimeout = 0.5;
+
+struct Pair {
+    FakeFabric fabric;
+    std::shared_ptr<CounterTable> counters = std::make_shared<CounterTable>();
+    std::unique_ptr<FakeEngine> a = fabric_test::open_engine(fabric, "a", 1, counters, false);
+    std::unique_ptr<FakeEngine> b =
+        fabric_test::open_engine(fabric, "b", 1, std::make_shared<CounterTable>(), false);
+    std::vector<unsigned char> src = std::vector<unsigned char>(64, 7), dst = std::vector<unsigned char>(64, 0);
+    std::shared_ptr<fabric::Target> at = std::make_shared<fabric::Target>();
+    const std::string b_address = b->nic(0).address();
+    uint64_t next_id = 1;
+
+    // A's completion thread, as the Python layer runs it: a peer the engine declares lost
+    // fails the counter waiters that name it.
+    std::atomic<bool> stop{false};
+    std::atomic<int> lost{0};
+    std::thread completer;
+
+    Pair() {
+        a->configure_liveness(kInterval, kTimeout, 1e12);
+        completer = std::thread([this] {
+            while (!stop.load()) {
+                fabric::Batch batch = a->wait_batch(0.01);
+                for (auto& [address, why] : batch.lost) {
+                    lost++;
+                    CounterTable::Tokens none;
+                    counters->fail_peer(address, none);
+                }
+            }
+        });
+        at->addresses.push_back(a->nic(0).address());
+        at->rkeys.push_back(a->nic(0).register_remote(dst.data(), dst.size()));
+        at->remote_base = reinterpret_cast<uint64_t>(dst.data());
+    }
+
+    ~Pair() {
+        stop = true;
+        completer.join();
+    }
+
+    // B writes 8 bytes carrying ``imm`` to A.
+    void write_imm(uint32_t imm) {
+        auto req = std::make_unique<fabric::Request>();
+        req->id = next_id++;
+        req->has_imm = true;
+        req->imm = imm;
+        req->src_desc = std::make_shared<const std::vector<void*>>(1, nullptr);
+        req->targets.push_back(at);
+        req->ops.resize(1);
+        req->ops[0].nic = 0;
+        req->ops[0].target = 0;
+        req->ops[0].src = reinterpret_cast<uint64_t>(src.data());
+        req->ops[0].dst_off = 0;
+        req->ops[0].len = 8;
+        b->submit(std::move(req));
+    }
+
+    // A waits (up to ``limit`` s) for one count of ``imm``, naming B; B writes it after
+    // ``after`` s (never if negative). Returns the wait's outcome and how long it took.
+    std::pair<int, double> wait(uint32_t imm, double after, double limit) {
+        auto w = std::make_shared<CounterTable::Waiter>();
+        w->n = 1;
+        w->peer = b_address;
+        auto t0 = Clock::now();
+        std::thread writer;
+        if (after >= 0) {
+            writer = std::thread([this, imm, after] {
+                std::this_thread::sleep_for(std::chrono::duration<double>(after));
+                write_imm(imm);
+            });
+        }
+        int rc = counters->enqueue(imm, w);
+        if (rc == fabric::kCountQueued) rc = counters->block(w, t0 + std::chrono::duration_cast<Clock::duration>(
+                                                                        std::chrono::duration<double>(limit)));
+        double took = std::chrono::duration<double>(Clock::now() - t0).count();
+        if (writer.joinable()) writer.join();
+        return {rc, took};
+    }
+};
+
+void answers_refused_for_a_while() {
+    Pair p;
+    p.b->nic(0).refuse_sends = 20;  // its first answers (and asks again) wait a few ticks
+    auto [rc, took] = p.wait(7, 3 * kTimeout, 10 * kTimeout);
+    std::printf("refused answers: wait %d after %.3f s\n", rc, took);
+    CHECK(rc == fabric::kCountOk && p.lost == 0);
+    CHECK(took >= 3 * kTimeout);  // well past the probe timeout: B was probed and answered
+}
+
+void a_probe_left_over_from_an_earlier_wait() {
+    Pair p;
+    p.b->nic(0).refuse_sends = 1 << 30;  // B never answers
+    auto [rc1, took1] = p.wait(8, 2 * kInterval, 2 * kTimeout);
+    CHECK(rc1 == fabric::kCountOk && took1 < kTimeout);
+    std::this_thread::sleep_for(std::chrono::duration<double>(3 * kTimeout));  // nothing waits
+    auto [rc2, took2] = p.wait(9, 2 * kInterval, 2 * kTimeout);
+    std::printf("left-over probe: first wait %d after %.3f s, second %d after %.3f s\n", rc1, took1, rc2, took2);
+    CHECK(rc2 == fabric::kCountOk && p.lost == 0);
+}
+
+void a_peer_that_is_gone() {
+    Pair p;
+    p.wait(10, 0.0, 2 * kTimeout);  // A knows B
+    p.b.reset();                     // B's NIC leaves the fabric: sends to it fail as unreachable
+    auto [rc, took] = p.wait(11, -1.0, 20 * kTimeout);
+    std::printf("gone: wait %d after %.3f s, %d loss(es) reported\n", rc, took, p.lost.load());
+    CHECK(rc == fabric::kCountPeerLost && p.lost == 1);
+    CHECK(took < kTimeout + 10 * kInterval);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    std::string only = argc > 1 ? argv[1] : "";  // "1", "2" or "3": that case alone
+    if (only.empty() || only == "1") answers_refused_for_a_while();
+    if (only.empty() || only == "2") a_probe_left_over_from_an_earlier_wait();
+    if (only.empty() || only == "3") a_peer_that_is_gone();
+    std::printf("liveness: ok\n");
+    return 0;
+}

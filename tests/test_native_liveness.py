@@ -1,0 +1,46 @@
+"""The engine core's liveness probes against a peer that cannot answer at once (seconds).
+
+``packages/fabric-core/tests/native/liveness.cpp`` runs two engines over in-memory NICs: the
+target of an imm waits naming the writer, so it probes it, while the writer's sends are
+refused (-EAGAIN: on shm, its queue full of writes). The answer must wait for the provider,
+not be dropped, the prober must ask again, and a probe left over from an earlier wait must
+not condemn the peer when a new wait begins; a peer that is really gone still fails the wait
+within the probe timeout. (``nox -s sanitize`` runs it under ThreadSanitizer too.)
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET = ROOT / "packages" / "fabric-core" / "tests" / "native" / "liveness.cpp"
+INCLUDE = ROOT / "packages" / "fabric-core" / "src" / "fabric_core" / "include"
+
+
+@pytest.fixture(scope="module")
+def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no g++ here (./dev test installs it)")
+    out = tmp_path_factory.mktemp("native") / "liveness"
+    flags = ["-std=c++17", "-O1", "-pthread", "-I", str(INCLUDE)]
+    subprocess.run([cxx, *flags, str(TARGET), "-o", str(out)], check=True, timeout=300)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("case", "says"),
+    [
+        ("1", "refused answers: wait 0 after"),
+        ("2", "second 0 after"),
+        ("3", "gone: wait 3 after"),
+    ],
+)
+def test_liveness_probes_answer_late_and_fail_only_the_gone(program: Path, case: str, says: str) -> None:
+    done = subprocess.run([str(program), case], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    assert says in done.stdout and "liveness: ok" in done.stdout, done.stdout
