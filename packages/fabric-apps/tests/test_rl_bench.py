@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from weightsworld import mixed_fleets
 
 from fabric_apps.weights import FsdpShard, TensorParallel
-from fabric_apps.weights.bench import RlBenchSpec, plan_for, run_rl_bench, synthetic_model
+from fabric_apps.weights.bench import RlBenchResult, RlBenchSpec, plan_for, run_rl_bench, synthetic_model
 from fabric_apps.weights.reference import Pattern
 from fabric_core.cli.app import main
 from fabric_core.errors import ConfigError
@@ -106,3 +106,24 @@ def test_the_command_explains_and_runs(tmp_path: Path) -> None:
     assert "every step checked byte for byte" in out.output
     doc = json.loads(path.read_text())
     assert doc["kind"] == "rl" and len(doc["step_seconds"]) == 1
+
+
+def test_the_bound_takes_the_best_ceiling_and_each_pair_count_is_reported() -> None:
+    spec = RlBenchSpec(
+        backend="sim", trainers=2, inference=2, model_bytes=1 << 20, layers=1, experts=2, vocab=64
+    )
+    plan = plan_for(spec)
+    ceiling = {
+        "provider": "shm",
+        "runs": [
+            {"1": {"262144": 4.0, "1048576": 5.0}, "2": {"262144": 3.0, "1048576": 2.5}},
+            {"1": {"262144": 4.5, "1048576": 4.0}, "2": {"262144": 3.5, "1048576": 2.0}},
+        ],
+    }
+    gb = plan.total_bytes / 1e9
+    result = RlBenchResult(spec, plan, [gb / 2.0, gb / 2.5, gb / 1.0], [], [], ceiling, {}, 1.0)
+    assert result.median_s == pytest.approx(gb / 2.0)
+    assert result.ceiling_gbytes_per_s == 5.0  # the best run, pair count and size
+    assert result.bound_s == pytest.approx(gb / 5.0)
+    assert result.ratio == pytest.approx(2.5)
+    assert result.ratio_by_pairs() == pytest.approx({"1": 2.5, "2": 1.75})

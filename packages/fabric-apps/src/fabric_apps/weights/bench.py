@@ -580,6 +580,19 @@ class RlBenchResult:
         b = self.bound_s
         return None if b is None else self.median_s / b
 
+    def ratio_by_pairs(self) -> dict[str, float]:
+        """Median update time over the bound that each pair count of the ceiling alone gives
+        (its best size, before or after): how much of the gap the host's oversubscription
+        explains, since the raw program too loses bandwidth with more processes than cores."""
+        if not self.ceiling:
+            return {}
+        runs: list[dict[str, dict[str, float]]] = self.ceiling["runs"]
+        best: dict[str, float] = {}
+        for run in runs:
+            for pairs, by_size in run.items():
+                best[pairs] = max(best.get(pairs, 0.0), *by_size.values())
+        return {p: self.median_s / (self.bytes_per_step / (g * 1e9)) for p, g in best.items()}
+
     @property
     def staging_high_water(self) -> int:
         return max((s["staging_high_water"] for s in self.sources), default=0)
@@ -613,6 +626,7 @@ class RlBenchResult:
             "gbytes_per_s": self.gbytes_per_s,
             "ceiling": self.ceiling,
             "ceiling_gbytes_per_s": self.ceiling_gbytes_per_s,
+            "ratio_by_pairs": self.ratio_by_pairs(),
             "bound_s": self.bound_s,
             "ratio_to_bound": self.ratio,
             "staging": {

@@ -54,6 +54,10 @@ def _report(result: Any) -> None:
             f"pairs, before and after): {result.ceiling_gbytes_per_s:.2f} GB/s; "
             f"bound {result.bound_s * 1e3:.1f} ms; update / bound = {result.ratio:.2f} (target <= 1.25)"
         )
+        by = ", ".join(
+            f"{p} pair{'s' if p != '1' else ''} {r:.2f}" for p, r in result.ratio_by_pairs().items()
+        )
+        click.echo(f"  update / bound by the ceiling's pair count alone: {by}")
     click.echo(f"took {result.duration_s:.1f} s")
 
 

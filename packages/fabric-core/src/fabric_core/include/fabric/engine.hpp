@@ -683,19 +683,28 @@ class Engine {
 #endif
         // Idle policy. With work in flight the worker polls without pause, yielding the CPU
         // after a run of empty polls (a provider with manual progress needs the polls, and a
-        // host with fewer cores than busy threads needs the yields). Once nothing is in flight
-        // it keeps polling for incoming imms and messages, yielding between polls, for
+        // host with fewer cores than busy threads needs the yields). Work in flight that has
+        // made no progress for kStallSpin (a peer slow to take or copy large writes: on shm
+        // the target copies them, and every poll here takes the provider's spin locks that
+        // the target needs) is polled between naps that grow from kNap to kStallNap: on a
+        // 2-core host, four trainers' workers spinning on them took 56% of the CPU from the
+        // two inference ranks copying their weights (fabric bench rl). Once nothing is in
+        // flight it keeps polling for incoming imms and messages, yielding between polls, for
         // kIdleSpin; then it sleeps in short naps (kNap, with a tight timer slack so a nap is
         // not stretched to the kernel's default 50 us), and a submit wakes it at once.
         using clock = std::chrono::steady_clock;
         constexpr auto kIdleSpin = std::chrono::microseconds(200);
+        constexpr auto kStallSpin = std::chrono::microseconds(200);
         constexpr auto kNap = std::chrono::microseconds(20);
+        constexpr auto kStallNap = std::chrono::microseconds(160);
         constexpr unsigned kPollsBeforeYield = 4;
 #if defined(__linux__)
         prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // 1 us
 #endif
         unsigned empty = 0;
         auto last_work = clock::now();
+        auto stall_nap = kNap;
+        auto stalled_since = last_work;  // the first empty poll since the last progress
         while (!stop_.load(std::memory_order_acquire)) {
             bool busy, inflight, full;
             {
@@ -706,14 +715,20 @@ class Engine {
             }
             if (busy) {
                 empty = 0;
+                stall_nap = kNap;
                 continue;
             }
             // A full NIC that completed nothing waits on the peer (on shm, on the peer's own
             // progress): give the CPU away at once rather than spin against it.
-            if (++empty < kPollsBeforeYield && !full) continue;
+            if (++empty == 1) stalled_since = clock::now();
+            if (empty < kPollsBeforeYield && !full) continue;
             if (inflight) {
-                std::this_thread::yield();
-                last_work = clock::now();
+                if (clock::now() - stalled_since < kStallSpin) {
+                    std::this_thread::yield();
+                } else {
+                    nap(stall_nap);
+                    stall_nap = std::min(stall_nap * 2, kStallNap);
+                }
                 continue;
             }
             if (empty == kPollsBeforeYield) last_work = clock::now();
