@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import Any, Protocol, cast
 import click
 
 from ..api import TransferEngine
-from ..errors import BackendNotInstalled
+from ..errors import BackendNotInstalled, FabricError
 from ..registry import install_hint
 
 __all__ = [
@@ -184,3 +185,25 @@ def output_options(fn: Any) -> Any:
     )(fn)
     path = click.Path(dir_okay=False, path_type=Path)
     return click.option("--json", "json_path", type=path, help="Write the results (JSON).")(fn)
+
+
+def run_app_bench(
+    run: Callable[[Any], Any],
+    spec: Any,
+    report: Callable[[Any], None],
+    plot: Callable[[Any, Path], None],
+    json_path: Path | None,
+    plot_path: Path | None,
+) -> None:
+    """Run an application benchmark's ``run(spec)`` (a ``FabricError`` becomes a
+    ``ClickException``), print its report, write its JSON and plot where asked."""
+    try:
+        result = run(spec)
+    except FabricError as exc:
+        raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+    report(result)
+    if json_path is not None:
+        write_json(json_path, result.to_json(), indent=1)
+    if plot_path is not None:
+        plot(result, plot_path)
+        click.echo(f"wrote {plot_path}")

@@ -8,8 +8,8 @@ from typing import Any
 
 import click
 
-from ..errors import ConfigError, FabricError
-from ._util import app_module, output_options, pyplot, write_json
+from ..errors import ConfigError
+from ._util import app_module, output_options, pyplot, run_app_bench
 from .bench import app_backend, backend_option
 
 __all__ = ["bench_moe"]
@@ -184,13 +184,4 @@ def bench_moe(
         )
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
-    try:
-        result = module.run_moe_bench(spec)
-    except FabricError as exc:
-        raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
-    _report(result)
-    if json_path is not None:
-        write_json(json_path, result.to_json(), indent=1)
-    if plot_path is not None:
-        _plot(result, plot_path)
-        click.echo(f"wrote {plot_path}")
+    run_app_bench(module.run_moe_bench, spec, _report, _plot, json_path, plot_path)

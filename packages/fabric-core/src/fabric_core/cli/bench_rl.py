@@ -9,8 +9,8 @@ from typing import Any
 
 import click
 
-from ..errors import ConfigError, FabricError
-from ._util import app_module, output_options, pyplot, write_json
+from ..errors import ConfigError
+from ._util import app_module, output_options, pyplot, run_app_bench
 from .bench import app_backend, backend_option
 
 __all__ = ["bench_rl"]
@@ -186,13 +186,4 @@ def bench_rl(
     if explain:
         click.echo(module.plan_for(spec, nics or 1).explain())
         return
-    try:
-        result = module.run_rl_bench(spec)
-    except FabricError as exc:
-        raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
-    _report(result)
-    if json_path is not None:
-        write_json(json_path, result.to_json(), indent=1)
-    if plot_path is not None:
-        _plot(result, plot_path)
-        click.echo(f"wrote {plot_path}")
+    run_app_bench(module.run_rl_bench, spec, _report, _plot, json_path, plot_path)
