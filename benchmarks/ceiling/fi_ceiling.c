@@ -8,12 +8,20 @@
  * overhead. Also measures the imm round trip: write+data -> target sees it -> write+data back.
  *
  * Build: cc -O2 -o fi_ceiling fi_ceiling.c -lfabric
- * Run:   FI_TCP_IFACE=lo ./fi_ceiling -p 'tcp;ofi_rxm' [-s 4096,65536,1048576] [-w 64] [-r 5] [-b SPAN]
+ * Run:   FI_TCP_IFACE=lo ./fi_ceiling -p 'tcp;ofi_rxm' [-s 4096,65536,1048576] [-w 64] [-r 5] [-b SPAN] [-n BYTES]
  *
  * By default every write goes from offset 0 to offset 0: source and target stay in the CPU's
  * caches, the most a copy can do. With -b SPAN both buffers are SPAN bytes and write i uses
  * the i-th size-aligned slot, cycling, as a KV cache of SPAN bytes is written page by page:
- * what a copy does from and to memory.
+ * what a copy does from and to memory. A repetition writes about 1 GiB (at least 2000 writes),
+ * or -n BYTES.
+ *
+ * With -f T:I (fan) it measures a many-to-many transfer instead of a pair: T initiator and I
+ * target processes (children of this one), each initiator writing -n BYTES per repetition
+ * round robin to every target, as T training ranks push weights to I inference ranks. Time
+ * runs from the first initiator's start to the last target's count of its imms (one
+ * CLOCK_MONOTONIC for all): the aggregate bandwidth of that fan, whose receivers, on shm, are
+ * the processes that copy. Implies -l 0.
  * Output: one JSON object per line on stdout.
  */
 #define _GNU_SOURCE
@@ -240,11 +248,154 @@ static double median(double *v, int k) {
     return k % 2 ? v[k / 2] : 0.5 * (v[k / 2 - 1] + v[k / 2]);
 }
 
+/* --- fan: T initiators -> I targets ------------------------------------------------------- */
+struct report {
+    double t_start, t_end;
+    long count;
+};
+
+static size_t fan_slot(size_t buflen, size_t size, uint64_t i) {
+    size_t slots = size ? buflen / size : 1;
+    return slots ? (size_t)(i % slots) * size : 0;
+}
+
+static void fan_child(int fd, const char *prov, size_t buflen, int initiator, int me, int T, int I, int window) {
+    struct node n = {0};
+    node_open(&n, prov, buflen);
+    struct peer_info mine = node_info(&n);
+    xfer(fd, &mine, sizeof(mine), 1);
+    int others = initiator ? I : T;
+    struct peer_info *peers = calloc((size_t)others, sizeof(*peers));
+    fi_addr_t *addrs = calloc((size_t)others, sizeof(*addrs));
+    xfer(fd, peers, sizeof(*peers) * (size_t)others, 0);
+    for (int k = 0; k < others; k++) {
+        if (fi_av_insert(n.av, peers[k].addr, 1, &addrs[k], 0, NULL) != 1) {
+            fprintf(stderr, "fi_av_insert failed\n");
+            exit(2);
+        }
+    }
+    for (;;) {
+        struct cmd c;
+        xfer(fd, &c, sizeof(c), 0);
+        if (c.op == CMD_QUIT) break;
+        struct report r = {0};
+        long tx = 0, rx = 0;
+        if (!initiator) { /* count every initiator's imms */
+            while (rx < c.count) poll_cq(&n, &tx, &rx);
+            r.t_end = now_s();
+            r.count = rx;
+        } else {
+            long posted = 0;
+            r.t_start = now_s();
+            while (posted < c.count) {
+                while (posted - tx < window && posted < c.count) {
+                    int k = (int)(posted % I);
+                    /* this initiator's own slots at each target, cycling through its buffer */
+                    uint64_t there = (uint64_t)(posted / I) * (uint64_t)T + (uint64_t)me;
+                    size_t lo = fan_slot(n.buflen, c.size, (uint64_t)posted);
+                    size_t ro = fan_slot(n.buflen, c.size, there);
+                    for (;;) {
+                        ssize_t rc = fi_writedata(n.ep, n.buf + lo, c.size, n.desc, (uint64_t)posted, addrs[k],
+                                                  peers[k].base + ro, peers[k].key, NULL);
+                        if (rc == 0) break;
+                        if (rc != -FI_EAGAIN) CHECK(rc);
+                        poll_cq(&n, &tx, &rx);
+                    }
+                    posted++;
+                }
+                poll_cq(&n, &tx, &rx);
+            }
+            while (tx < c.count) poll_cq(&n, &tx, &rx);
+            r.t_end = now_s();
+            r.count = tx;
+        }
+        xfer(fd, &r, sizeof(r), 1);
+    }
+    free(peers);
+    free(addrs);
+}
+
+static int run_fan(const char *prov, const char *sizes, int T, int I, int window, int reps, size_t per_initiator,
+                   size_t buflen) {
+    int P = T + I;
+    int *fds = calloc((size_t)P, sizeof(int));
+    pid_t *pids = calloc((size_t)P, sizeof(pid_t));
+    for (int i = 0; i < P; i++) { /* 0..T-1 initiators, T..P-1 targets */
+        int sv[2];
+        if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv)) return 5;
+        pids[i] = fork();
+        if (pids[i] == 0) {
+            for (int j = 0; j < i; j++) close(fds[j]);
+            close(sv[0]);
+            fan_child(sv[1], prov, buflen, i < T, i < T ? i : i - T, T, I, window);
+            _exit(0);
+        }
+        close(sv[1]);
+        fds[i] = sv[0];
+    }
+    struct peer_info *infos = calloc((size_t)P, sizeof(*infos));
+    for (int i = 0; i < P; i++) xfer(fds[i], &infos[i], sizeof(infos[i]), 0);
+    for (int i = 0; i < T; i++) xfer(fds[i], infos + T, sizeof(*infos) * (size_t)I, 1);
+    for (int i = T; i < P; i++) xfer(fds[i], infos, sizeof(*infos) * (size_t)T, 1);
+    for (const char *p = sizes; *p;) {
+        size_t size = strtoull(p, (char **)&p, 10);
+        if (*p == ',') p++;
+        if (!size) continue;
+        long count = (long)(per_initiator / size);
+        count -= count % I; /* the same writes to every target */
+        if (count < I) count = I;
+        double secs[64];
+        double first_start = 1e300, last_end = 0;
+        int k = reps < 64 ? reps : 64;
+        for (int r = 0; r < k; r++) {
+            struct cmd to_target = {CMD_BW, count / I * T, size}, to_initiator = {CMD_BW, count, size};
+            for (int i = T; i < P; i++) xfer(fds[i], &to_target, sizeof(to_target), 1);
+            for (int i = 0; i < T; i++) xfer(fds[i], &to_initiator, sizeof(to_initiator), 1);
+            double t0 = 1e300, t1 = 0;
+            for (int i = 0; i < P; i++) {
+                struct report rep;
+                xfer(fds[i], &rep, sizeof(rep), 0);
+                long want = i < T ? count : count / I * T;
+                if (rep.count != want) {
+                    fprintf(stderr, "%s %d counted %ld of %ld\n", i < T ? "initiator" : "target", i, rep.count, want);
+                    return 6;
+                }
+                if (i < T && rep.t_start < t0) t0 = rep.t_start;
+                if (rep.t_end > t1) t1 = rep.t_end;
+            }
+            secs[r] = t1 - t0;
+            if (t0 < first_start) first_start = t0;
+            if (t1 > last_end) last_end = t1;
+        }
+        double t = median(secs, k);
+        double bytes = (double)size * (double)count * (double)T;
+        printf("{\"kind\": \"fan_bandwidth\", \"provider\": \"%s\", \"initiators\": %d, \"targets\": %d, \"size\": %zu, "
+               "\"span\": %zu, \"window\": %d, \"writes_per_initiator\": %ld, \"reps\": %d, \"seconds_median\": %.6f, "
+               "\"gbytes_per_s\": %.4f, \"t_start\": %.6f, \"t_end\": %.6f}\n",
+               prov, T, I, size, buflen, window, count, k, t, bytes / t / 1e9, first_start, last_end);
+        fflush(stdout);
+    }
+    struct cmd quit = {CMD_QUIT, 0, 0};
+    int failed = 0;
+    for (int i = 0; i < P; i++) {
+        xfer(fds[i], &quit, sizeof(quit), 1);
+        int status = 0;
+        waitpid(pids[i], &status, 0);
+        if (!WIFEXITED(status) || WEXITSTATUS(status)) failed = 7;
+        close(fds[i]);
+    }
+    free(infos);
+    free(fds);
+    free(pids);
+    return failed;
+}
+
 int main(int argc, char **argv) {
     const char *prov = "shm", *sizes = "8,64,512,4096,32768,65536,262144,1048576,4194304,16777216";
-    int window = 64, reps = 5, ping_iters = 20000;
+    int window = 64, reps = 5, ping_iters = 20000, fan_t = 0, fan_i = 0;
+    size_t per_bytes = 0; /* -n; 0: about 1 GiB per repetition (a pair), 256 MiB per initiator (a fan) */
     int opt;
-    while ((opt = getopt(argc, argv, "p:s:w:r:l:db:")) != -1) {
+    while ((opt = getopt(argc, argv, "p:s:w:r:l:db:f:n:")) != -1) {
         switch (opt) {
         case 'p': prov = optarg; break;
         case 'd': delivery_complete = 1; break;
@@ -253,8 +404,18 @@ int main(int argc, char **argv) {
         case 'r': reps = atoi(optarg); break;
         case 'l': ping_iters = atoi(optarg); break;
         case 'b': span = strtoull(optarg, NULL, 10); break;
+        case 'f':
+            if (sscanf(optarg, "%d:%d", &fan_t, &fan_i) != 2 || fan_t < 1 || fan_i < 1 || fan_t + fan_i > 512) {
+                fprintf(stderr, "-f wants INITIATORS:TARGETS, e.g. 4:2\n");
+                return 1;
+            }
+            break;
+        case 'n': per_bytes = strtoull(optarg, NULL, 10); break;
         default:
-            fprintf(stderr, "usage: %s [-p provider] [-s sizes] [-w window] [-r reps] [-l pingpong iters] [-d] [-b span]\n", argv[0]);
+            fprintf(stderr,
+                    "usage: %s [-p provider] [-s sizes] [-w window] [-r reps] [-l pingpong iters] [-d] [-b span] [-n bytes per rep]\n"
+                    "       %s -f INITIATORS:TARGETS [-n bytes per initiator] [-p provider] [-s sizes] [-w window] [-r reps] [-b span]\n",
+                    argv[0], argv[0]);
             return 1;
         }
     }
@@ -265,6 +426,7 @@ int main(int argc, char **argv) {
         if (*p == ',') p++;
     }
     if (span > maxsize) maxsize = span;
+    if (fan_t) return run_fan(prov, sizes, fan_t, fan_i, window, reps, per_bytes ? per_bytes : 256UL << 20, maxsize);
     int sv[2];
     if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv)) return 5;
     pid_t child = fork();
@@ -284,9 +446,15 @@ int main(int argc, char **argv) {
     for (const char *p = sizes; *p;) {
         size_t size = strtoull(p, (char **)&p, 10);
         if (*p == ',') p++;
-        long count = (long)((1UL << 30) / (size ? size : 1));
-        if (count < 2000) count = 2000;
-        if (count > 200000) count = 200000;
+        long count;
+        if (per_bytes) { /* -n: this many bytes per repetition */
+            count = (long)(per_bytes / (size ? size : 1));
+            if (count < 1) count = 1;
+        } else {
+            count = (long)((1UL << 30) / (size ? size : 1));
+            if (count < 2000) count = 2000;
+            if (count > 200000) count = 200000;
+        }
         double secs[64];
         double first_start = now_s();
         for (int r = 0; r < reps && r < 64; r++) {

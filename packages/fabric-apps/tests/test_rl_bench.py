@@ -45,6 +45,13 @@ def test_a_run_on_the_simulator_lands_every_byte_of_every_step() -> None:
     per_source = [sum(x) for x in doc["measured"]["nic_bytes_written_per_source"]]
     assert per_source == [3 * b for b in doc["plan"]["bytes_per_source"]]  # three steps, warm-up included
     assert 0 < doc["staging"]["high_water"] <= 256 << 10
+    # each timed step's timeline: the first trainer starts at 0, every trainer's writes are
+    # complete and every fence passed by the step's end, which is the last fence
+    assert len(doc["timeline_ms"]) == 2
+    for step, tl in zip(result.step_seconds, doc["timeline_ms"], strict=True):
+        assert min(tl["trainers_started"]) == 0.0 and len(tl["trainers_done"]) == 3
+        assert all(d >= b for d, b in zip(tl["trainers_done"], tl["trainers_started"], strict=True))
+        assert max(tl["inference_fenced"]) == pytest.approx(step * 1e3)
 
 
 def test_the_reference_content_checks_against_the_torch_reshard() -> None:
@@ -127,3 +134,10 @@ def test_the_bound_takes_the_best_ceiling_and_each_pair_count_is_reported() -> N
     assert result.bound_s == pytest.approx(gb / 5.0)
     assert result.ratio == pytest.approx(2.5)
     assert result.ratio_by_pairs() == pytest.approx({"1": 2.5, "2": 1.75})
+    # with runs of the update's own fan, the bound is theirs; the pairs stay reported
+    fan = {**ceiling, "fan": "2:2", "fan_runs": [{"262144": 1.5, "1048576": 2.0}, {"262144": 2.5}]}
+    result = RlBenchResult(spec, plan, [gb / 2.0], [], [], fan, {}, 1.0)
+    assert result.ceiling_gbytes_per_s == 2.5 and result.pairs_gbytes_per_s == 5.0
+    assert result.ratio == pytest.approx(1.25)
+    assert result.ratio_by_pairs() == pytest.approx({"1": 2.5, "2": 1.75})
+    assert result.to_json()["pairs_gbytes_per_s"] == 5.0

@@ -36,6 +36,7 @@ from weightsworld import (
 
 from fabric_apps.weights import (
     FleetSpec,
+    FsdpShard,
     ParamSpec,
     PlanOptions,
     ReceiveReport,
@@ -262,6 +263,55 @@ def test_a_sender_interleaves_its_staged_writes_across_destinations() -> None:
     finally:
         for e in engines:
             e.close()
+
+
+def test_a_sender_interleaves_its_plain_writes_across_destinations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain copies too go out in pieces interleaved over the destinations, from this rank's
+    turn on: one scatter per destination posted every write to one destination before the
+    next (on shm the receivers then copied one after another)."""
+    from fabric_apps.weights import sender as sender_mod
+
+    monkeypatch.setattr(sender_mod, "_PIECE_BYTES", 3 * 1024)  # three 1 KiB rows per piece
+    src = FleetSpec(2, (ParamSpec("w", (3 * 12, 512), "bfloat16", FsdpShard()),))
+    dst = FleetSpec(3, (ParamSpec("w", (3 * 12, 512), "bfloat16", tp_row()),))
+    plan = make_plan(src, dst, PlanOptions(num_nics=1, max_write_bytes=1024))
+    fabric = SimFabric(0, record=True)
+    engines = [fabric.open_engine(1) for _ in range(5)]
+    try:
+        receivers = [
+            WeightsReceiver(e, plan, d, torch.zeros(dst.layout(d).nbytes, dtype=torch.uint8), timeout=T)
+            for d, e in enumerate(engines[2:])
+        ]
+        senders = [
+            WeightsSender(engines[s], plan, s, torch.zeros(src.layout(s).nbytes, dtype=torch.uint8),
+                          [r.descriptor for r in receivers], timeout=T)
+            for s in range(2)
+        ]  # fmt: skip
+        for s in senders:
+            s.send_step(0)
+        for r in receivers:
+            r.wait_step(0, timeout=T)
+        rank = {e.engine_id: d for d, e in enumerate(engines[2:])}
+        # rank 0 holds rows 0-17: 12 rows for destination 0, 6 for 1; rank 1 rows 18-35: 6
+        # for destination 1, 12 for 2. Each starts at the destination of its turn ((d - s) mod 3)
+        want = {0: [0] * 3 + [1] * 3 + [0] * 3 + [1] * 3 + [0] * 6, 1: [1] * 3 + [2] * 3 + [1] * 3 + [2] * 9}
+        for s in range(2):
+            order = [rank[p.dst] for p in fabric.recorded or () if p.src == engines[s].engine_id]
+            assert order == want[s], order
+        for x in [*senders, *receivers]:
+            x.close()
+    finally:
+        for e in engines:
+            e.close()
+
+
+def test_pieces_cut_rows_into_runs_of_at_most_the_limit() -> None:
+    from fabric_apps.weights.sender import _pieces
+
+    rows = [(4, 0, 0), (4, 4, 4), (9, 8, 8), (1, 17, 17), (0, 18, 18), (2, 18, 18)]
+    assert _pieces(rows, 8) == [rows[:2], [rows[2]], rows[3:]]
+    assert _pieces(rows, 100) == [rows] and _pieces([], 8) == []
+    assert _pieces([(0, 0, 0)], 8) == [[(0, 0, 0)]]
 
 
 def test_staging_slots_stay_aligned_for_odd_sized_chunks(rigs: list[Rig]) -> None:

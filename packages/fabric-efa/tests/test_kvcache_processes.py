@@ -6,6 +6,7 @@ alone, with a typed error."""
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import time
@@ -62,6 +63,10 @@ def _rank(rank: int, port: int, conn: Any, dying: bool) -> None:
     from fabric_core.models import DomainAddress
     from fabric_core.rendezvous import Rendezvous
 
+    # Every wait below is bounded by T; a rank still here long after that is stuck somewhere
+    # unbounded: print where each of its threads is (to the test's captured stderr) and exit,
+    # so the test fails with the stacks instead of a bare "rank hung".
+    faulthandler.dump_traceback_later(2.5 * T, exit=True)
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=T))  # type: ignore[attr-defined]
     rdv = Rendezvous(store, rank=rank, world_size=1 + PREFILLS, prefix="kv", timeout=T)

@@ -18,10 +18,12 @@ A step: every inference rank poisons its buffer, every rank reports ready, the c
 (this process) says go; the trainers ``send_step``, the inference ranks ``wait_step``, then
 check their buffer (not timed). A step's time is from the first trainer's start to the last
 inference rank's fence (``CLOCK_MONOTONIC``: one clock for every process of the host). The
-bound is the step's bytes over the raw-libfabric ceiling's aggregate bandwidth; the ceiling
-(``ceiling``: a built ``benchmarks/ceiling/fi_ceiling``) runs before the ranks start and after
-they exit, with one writer pair and with as many pairs as trainers, and the bound takes the
-best of them.
+bound is the step's bytes over the raw-libfabric ceiling's aggregate bandwidth for the same
+fan: the ceiling program (``ceiling``: a built ``benchmarks/ceiling/fi_ceiling``) runs before
+the ranks start and after they exit as T writer processes each writing a trainer's share round
+robin to I target processes (``-f T:I``), and the bound takes its best size and run. It also
+runs as one independent pair and as T pairs (``ratio_by_pairs``): T pairs have T receivers,
+which on shm (the receiver copies) is more copying CPU than an update to I ranks can use.
 """
 
 from __future__ import annotations
@@ -150,6 +152,7 @@ class RlBenchSpec:
     steps: int = 3
     warmup: int = 1
     staging_bytes: int = 256 << 20
+    max_write_bytes: int = 1 << 30
     content: Literal["pattern", "reference"] = "pattern"
     source: FleetSpec | None = None
     destination: FleetSpec | None = None
@@ -170,6 +173,8 @@ class RlBenchSpec:
             raise ConfigError("give both source and destination fleets, or neither")
         if not self.timeout > 0:
             raise ConfigError(f"timeout must be > 0, got {self.timeout}")
+        if self.max_write_bytes < 64:
+            raise ConfigError(f"max_write_bytes must be at least 64, got {self.max_write_bytes}")
         if self.model_bytes < 1 << 20:
             raise ConfigError(f"model_bytes must be at least 1 MiB, got {self.model_bytes}")
         if self.cast is not None:
@@ -195,7 +200,7 @@ class RlBenchSpec:
         )
 
     def options(self) -> PlanOptions:
-        return PlanOptions(staging_bytes=self.staging_bytes)
+        return PlanOptions(staging_bytes=self.staging_bytes, max_write_bytes=self.max_write_bytes)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -491,19 +496,28 @@ def _run_threads(spec: RlBenchSpec) -> tuple[list[dict[str, Any]], list[dict[str
 
 
 # --- the ceiling -------------------------------------------------------------------------------------
-CEILING_SIZES = (1 << 18, 1 << 20)
+CEILING_SIZES = (1 << 20, 1 << 22, 1 << 24, 1 << 26)
 """Write sizes the ceiling runs at (the bound takes the best)."""
 
 
-def _ceiling_run(spec: RlBenchSpec, pairs: int, size: int, span: int) -> float:
+def _ceiling_run(spec: RlBenchSpec, pairs: int, size: int, span: int, per_rep: int) -> float:
     """Aggregate GB/s of ``pairs`` copies of the ceiling program at once (each a writer and
-    a target process): all their bytes over the union of their times."""
+    a target process, ``per_rep`` bytes a repetition): all their bytes over the union of
+    their times."""
+    args = ["-s", str(size), "-r", "3", "-l", "0", "-b", str(span), "-n", str(per_rep)]
+    bw = [r for r in _run_ceiling_program(spec, args, pairs) if r.get("kind") == "bandwidth"]
+    moved = sum(r["size"] * r["writes"] * r["reps"] for r in bw)
+    return float(moved / (max(r["t_end"] for r in bw) - min(r["t_start"] for r in bw)) / 1e9)
+
+
+def _run_ceiling_program(spec: RlBenchSpec, args: list[str], copies: int) -> list[dict[str, Any]]:
+    """Run ``copies`` of the ceiling program at once with ``args``; their JSON rows."""
     assert spec.ceiling is not None
-    cmd = [spec.ceiling, "-p", spec.ceiling_provider, "-s", str(size), "-r", "3", "-l", "0", "-b", str(span)]
+    cmd = [spec.ceiling, "-p", spec.ceiling_provider, *args]
     env = {**os.environ, "FI_TCP_IFACE": os.environ.get("FI_TCP_IFACE", "lo")}
     procs: list[subprocess.Popen[str]] = []
     try:
-        for _ in range(pairs):
+        for _ in range(copies):
             procs.append(
                 subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             )
@@ -520,18 +534,32 @@ def _ceiling_run(spec: RlBenchSpec, pairs: int, size: int, span: int) -> float:
         if p.returncode:
             raise RlBenchError(f"the ceiling program exited with {p.returncode}: {err.strip()[-300:]}")
         rows += [json.loads(line) for line in out.splitlines() if line.strip()]
-    bw = [r for r in rows if r.get("kind") == "bandwidth"]
-    moved = sum(r["size"] * r["writes"] * r["reps"] for r in bw)
-    return float(moved / (max(r["t_end"] for r in bw) - min(r["t_start"] for r in bw)) / 1e9)
+    return rows
 
 
-def _ceiling(spec: RlBenchSpec, per_source: int) -> dict[str, dict[str, float]]:
-    """GB/s by pairs and size: one pair, and as many pairs as trainers."""
+def _fan_run(spec: RlBenchSpec, per_rep: int, span: int) -> dict[str, float]:
+    """GB/s by size of the ceiling program as this update's fan: ``trainers`` writers, each
+    writing ``per_rep`` bytes round robin to ``inference`` targets, timed from the first
+    writer's start to the last target's count."""
+    args = ["-f", f"{spec.trainers}:{spec.inference}", "-n", str(per_rep), "-r", "3", "-b", str(span)]
+    rows = _run_ceiling_program(spec, [*args, "-s", ",".join(map(str, CEILING_SIZES))], 1)
+    fan = [r for r in rows if r.get("kind") == "fan_bandwidth"]
+    if len(fan) != len(CEILING_SIZES):
+        raise RlBenchError(f"the ceiling program {spec.ceiling} gave no fan rows (built before -f?)")
+    return {str(r["size"]): float(r["gbytes_per_s"]) for r in fan}
+
+
+def _ceiling(spec: RlBenchSpec, per_source: int) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """GB/s by pairs and size (one pair, and as many pairs as trainers) and by size for the
+    update's own fan. Each writer writes a trainer's share a repetition (4 MiB to 1 GiB)."""
     span = max(CEILING_SIZES[-1], min(per_source, 512 << 20))
-    out: dict[str, dict[str, float]] = {}
+    per_rep = min(max(per_source, 4 << 20), 1 << 30)
+    pairs_out: dict[str, dict[str, float]] = {}
     for pairs in sorted({1, spec.trainers}):
-        out[str(pairs)] = {str(size): _ceiling_run(spec, pairs, size, span) for size in CEILING_SIZES}
-    return out
+        pairs_out[str(pairs)] = {
+            str(size): _ceiling_run(spec, pairs, size, span, per_rep) for size in CEILING_SIZES
+        }
+    return pairs_out, _fan_run(spec, per_rep, span)
 
 
 # --- results --------------------------------------------------------------------------------------------
@@ -563,7 +591,18 @@ class RlBenchResult:
 
     @property
     def ceiling_gbytes_per_s(self) -> float | None:
-        """The best aggregate the ceiling reached (any pair count, size, before or after)."""
+        """The best aggregate the ceiling reached as this update's fan (any size, before or
+        after); the best of its pair runs where it has no fan runs."""
+        if not self.ceiling:
+            return None
+        fan: list[dict[str, float]] = self.ceiling.get("fan_runs") or []
+        if fan:
+            return max(v for run in fan for v in run.values())
+        return self.pairs_gbytes_per_s
+
+    @property
+    def pairs_gbytes_per_s(self) -> float | None:
+        """The best aggregate of the independent pairs (any count, size, before or after)."""
         if not self.ceiling:
             return None
         runs: list[dict[str, dict[str, float]]] = self.ceiling["runs"]
@@ -597,6 +636,22 @@ class RlBenchResult:
     def staging_high_water(self) -> int:
         return max((s["staging_high_water"] for s in self.sources), default=0)
 
+    def timeline(self) -> list[dict[str, Any]]:
+        """Per timed step, in ms from the first trainer's start: when each trainer started,
+        when each trainer's writes had all completed there, and when each inference rank's
+        fence passed (the step ends at the last of these)."""
+        out = []
+        for i in range(self.spec.warmup, self.spec.warmup + self.spec.steps):
+            t0 = min(s["starts"][i] for s in self.sources)
+            out.append(
+                {
+                    "trainers_started": [(s["starts"][i] - t0) * 1e3 for s in self.sources],
+                    "trainers_done": [(s["ends"][i] - t0) * 1e3 for s in self.sources],
+                    "inference_fenced": [(d["ends"][i] - t0) * 1e3 for d in self.destinations],
+                }
+            )
+        return out
+
     def to_json(self) -> dict[str, Any]:
         b = self.plan.balance()
         return {
@@ -622,10 +677,12 @@ class RlBenchResult:
                 "destination_nic_imbalance": b.destination_nic_imbalance,
             },
             "step_seconds": self.step_seconds,
+            "timeline_ms": self.timeline() if self.sources and self.destinations else [],
             "median_s": self.median_s,
             "gbytes_per_s": self.gbytes_per_s,
             "ceiling": self.ceiling,
             "ceiling_gbytes_per_s": self.ceiling_gbytes_per_s,
+            "pairs_gbytes_per_s": self.pairs_gbytes_per_s,
             "ratio_by_pairs": self.ratio_by_pairs(),
             "bound_s": self.bound_s,
             "ratio_to_bound": self.ratio,
@@ -651,15 +708,22 @@ def run_rl_bench(spec: RlBenchSpec) -> RlBenchResult:
     start = time.perf_counter()
     src, _dst = spec.fleets()
     runs: list[dict[str, dict[str, float]]] = []
+    fan_runs: list[dict[str, float]] = []
     per_source = max(1, sum(p.nbytes for p in src.params) // spec.trainers)
+
+    def measure_ceiling() -> None:
+        pairs, fan = _ceiling(spec, per_source)
+        runs.append(pairs)
+        fan_runs.append(fan)
+
     if spec.ceiling:  # before the ranks start and after they exit: nothing else running
-        runs.append(_ceiling(spec, per_source))
+        measure_ceiling()
     if spec.backend == "sim":
         sources, destinations = _run_threads(spec)
     else:
         sources, destinations = _run_processes(spec)
     if spec.ceiling:
-        runs.append(_ceiling(spec, per_source))
+        measure_ceiling()
     plan = TransferPlan.from_bytes(sources[0]["plan"])  # the one every rank computed and agreed on
     first = spec.warmup
     steps = [
@@ -673,6 +737,8 @@ def run_rl_bench(spec: RlBenchSpec) -> RlBenchResult:
             "program": os.path.basename(spec.ceiling),
             "sizes": list(CEILING_SIZES),
             "runs": runs,
+            "fan": f"{spec.trainers}:{spec.inference}",
+            "fan_runs": fan_runs,
         }
     return RlBenchResult(
         spec, plan, steps, sources, destinations, ceiling, host_info(), time.perf_counter() - start

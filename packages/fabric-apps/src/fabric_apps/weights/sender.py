@@ -50,6 +50,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0
 _SLOT_ALIGN = 256  # staging slots start at multiples of this: aligned for every dtype (and for DMA)
+_PIECE_BYTES = 16 << 20
+"""Plain copies go out in scatters of about this many bytes (at least one row), interleaved
+across destinations: see ``WeightsSender._make_requests``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +105,20 @@ def _limit(timeout: float | None, default: float) -> float:
     if not limit > 0:
         raise ConfigError(f"timeout must be positive, got {timeout!r}")
     return limit
+
+
+def _pieces(rows: list[tuple[int, int, int]], limit: int) -> list[list[tuple[int, int, int]]]:
+    """``rows`` (length first) cut into runs of at least one row and, past the first row,
+    at most ``limit`` bytes."""
+    out: list[list[tuple[int, int, int]]] = []
+    size = 0
+    for row in rows:
+        if not out or (size + row[0] > limit and size > 0):
+            out.append([])
+            size = 0
+        out[-1].append(row)
+        size += row[0]
+    return out
 
 
 class WeightsSender:
@@ -225,26 +242,38 @@ class WeightsSender:
             self._cuda = self._bytes.device.type == "cuda"
 
     def _make_requests(self) -> None:
-        """The scatters of plain copies, one per (destination, NIC), from the destinations."""
+        """The scatters of plain copies: per (destination, NIC), pieces of about
+        ``_PIECE_BYTES``, submitted interleaved: every destination's k-th piece (in this
+        rank's rotation) before any destination's (k+1)-th.
+
+        The engine posts a NIC's work requests in submission order, so one scatter per
+        destination fed the destinations one after another. On shm that serialised the whole
+        update: a receiver holds its queue's lock while it copies, a sender posting to it waits
+        inside the provider until the copy is done, and the other destinations sat idle
+        meanwhile (2 -> 2 ranks, 2 GiB, on 16 cores: 5.3 GB/s, about one receiver's worth).
+        On a network it is incast, every rank's writes at one destination at a time."""
         self._group: PeerGroup | None = (
             self.engine.peer_group([self.destinations[d] for d in self.destination_ranks])
             if self.destination_ranks
             else None
         )
         imm0 = self.plan.imm(0, self.rank)
-        scatters: list[tuple[int, ScatterRequest]] = []
-        for (d, nic), rows in sorted(self._raw.items(), key=lambda kv: (self._turn[kv[0][0]], kv[0][1])):
+        keyed: list[tuple[tuple[int, int, int], int, ScatterRequest]] = []
+        for (d, nic), rows in self._raw.items():
             desc = self.destinations[d]
-            targets = tuple(ScatterTarget(desc, ln, so, do) for ln, so, do in rows)
-            req = ScatterRequest(self.region, targets, None, Pinned(nic), self._group)
-            # the plan counts one imm per row; hold the engine's own count rule to it
-            if self.engine.imms_at_target(replace(req, imm=imm0)) != (1,) * len(targets):
-                raise ConfigError(
-                    f"this engine would split rows of the plan into more work requests than planned "
-                    f"(destination {d}, NIC {nic}): the plan's max_write_bytes exceeds what it sends whole"
-                )
-            scatters.append((d, req))
-        self._scatters = scatters
+            for k, piece in enumerate(_pieces(rows, _PIECE_BYTES)):
+                targets = tuple(ScatterTarget(desc, ln, so, do) for ln, so, do in piece)
+                req = ScatterRequest(self.region, targets, None, Pinned(nic), self._group)
+                # the plan counts one imm per row; hold the engine's own count rule to it
+                if self.engine.imms_at_target(replace(req, imm=imm0)) != (1,) * len(targets):
+                    raise ConfigError(
+                        f"this engine would split rows of the plan into more work requests than "
+                        f"planned (destination {d}, NIC {nic}): the plan's max_write_bytes exceeds "
+                        f"what it sends whole"
+                    )
+                keyed.append(((k, self._turn[d], nic), d, req))
+        keyed.sort(key=lambda kdr: kdr[0])
+        self._scatters = [(d, req) for _, d, req in keyed]
 
     def replace_destination(self, rank: int, descriptor: MemoryRegionDescriptor) -> None:
         """Destination ``rank`` came back (a restarted inference rank, a new registration):
