@@ -86,6 +86,19 @@
 #include "mpsc_queue.hpp"
 #include "reconcile.hpp"
 
+#ifndef FABRIC_IDLE_SPIN_US
+#define FABRIC_IDLE_SPIN_US 200  // the worker's idle polling before it naps (see Engine::run)
+#endif
+#ifndef FABRIC_STALL_SPIN_US
+#define FABRIC_STALL_SPIN_US 200
+#endif
+#ifndef FABRIC_NAP_US
+#define FABRIC_NAP_US 20
+#endif
+#ifndef FABRIC_STALL_NAP_US
+#define FABRIC_STALL_NAP_US 160
+#endif
+
 namespace fabric {
 
 // Status codes handed to Python (mapped to the error tree there).
@@ -693,10 +706,11 @@ class Engine {
         // kIdleSpin; then it sleeps in short naps (kNap, with a tight timer slack so a nap is
         // not stretched to the kernel's default 50 us), and a submit wakes it at once.
         using clock = std::chrono::steady_clock;
-        constexpr auto kIdleSpin = std::chrono::microseconds(200);
-        constexpr auto kStallSpin = std::chrono::microseconds(200);
-        constexpr auto kNap = std::chrono::microseconds(20);
-        constexpr auto kStallNap = std::chrono::microseconds(160);
+        // Build-time overrides (FABRIC_IDLE_SPIN_US etc.) are for measuring this policy.
+        constexpr auto kIdleSpin = std::chrono::microseconds(FABRIC_IDLE_SPIN_US);
+        constexpr auto kStallSpin = std::chrono::microseconds(FABRIC_STALL_SPIN_US);
+        constexpr auto kNap = std::chrono::microseconds(FABRIC_NAP_US);
+        constexpr auto kStallNap = std::chrono::microseconds(FABRIC_STALL_NAP_US);
         constexpr unsigned kPollsBeforeYield = 4;
 #if defined(__linux__)
         prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // 1 us
