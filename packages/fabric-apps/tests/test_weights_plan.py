@@ -53,6 +53,8 @@ SHARDINGS: list[tuple[str, Any, tuple[int, ...]]] = [
     ("tp-column", tp_column(), (4, 7)),
     ("tp-dim2", TensorParallel(2), (2, 3, 5)),
     ("tp-replicas", TensorParallel(1, replicas=2), (3, 8)),
+    ("tp-fused", tp_row(sections=(3, 1, 5)), (9, 4)),  # q, k, v: each cut on its own
+    ("tp-fused-dim1-replicas", TensorParallel(1, replicas=2, sections=(2, 6)), (3, 8)),
     ("experts", ExpertPlacement(((0, 3), (1,), (2, 0), (3,))), (4, 2, 3)),
 ]
 
@@ -139,6 +141,9 @@ def test_layout_packs_aligned_pieces_and_views_share_the_buffer() -> None:
         (lambda: ParamSpec("", (2,), "float32"), "name"),
         (lambda: FleetSpec(2, (ParamSpec("a", (4,), "float32", tp_column()),)), "at least 2 dimensions"),
         (lambda: FleetSpec(3, (ParamSpec("a", (4,), "float32", FsdpShard(replicas=2)),)), "divisible"),
+        (lambda: FleetSpec(2, (ParamSpec("a", (4, 2), "float32", tp_row(sections=(3, 2))),)), "add up to 5"),
+        (lambda: TensorParallel(0, sections=(3, 0)), "sections entry"),
+        (lambda: TensorParallel(0, sections="32"), "sequence of ints"),  # type: ignore[arg-type]
         (
             lambda: FleetSpec(2, (ParamSpec("e", (3, 2), "float32", ExpertPlacement(((0,),))),)),
             "lists 1 ranks",

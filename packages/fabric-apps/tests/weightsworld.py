@@ -116,7 +116,12 @@ def random_sharding(draw: Any, shape: tuple[int, ...], world: int, *, source: bo
     if kind == "fsdp":
         return FsdpShard(replicas=replicas)
     if kind == "tp":
-        return TensorParallel(draw(st.integers(0, len(shape) - 1)), replicas)
+        dim = draw(st.integers(0, len(shape) - 1))
+        # sometimes a fused tensor: its size along dim in 1-3 sections, each cut on its own
+        cuts = sorted(draw(st.sets(st.integers(1, shape[dim] - 1), max_size=2))) if shape[dim] > 1 else []
+        bounds = [0, *cuts, shape[dim]]
+        sections = tuple(int(x) for x in np.diff(bounds)) if cuts else ()
+        return TensorParallel(dim, replicas, sections)
     e = shape[0]
     held = [sorted(draw(st.sets(st.integers(0, e - 1), max_size=e))) for _ in range(world)]
     if source:  # every expert somewhere at the source
@@ -177,7 +182,7 @@ def mixed_fleets(src_world: int, dst_world: int) -> tuple[FleetSpec, FleetSpec]:
             ParamSpec("embed", (24, 16), "bfloat16", TensorParallel(0)),
             ParamSpec("qkv", (24, 16), "bfloat16", TensorParallel(1)),
             ParamSpec("o_proj", (16, 24), "bfloat16", TensorParallel(0)),
-            ParamSpec("mlp_up", (40, 16), "bfloat16", TensorParallel(0)),
+            ParamSpec("mlp_up", (40, 16), "bfloat16", TensorParallel(0, sections=(24, 16))),  # fused gate, up
             ParamSpec("mlp_down", (17, 5), "float32", FsdpShard()),
             ParamSpec("experts", (e, 8, 4), "bfloat16", dst_experts),
             ParamSpec("norm", (16,), "float32", Replicated()),

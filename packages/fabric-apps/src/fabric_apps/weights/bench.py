@@ -10,7 +10,8 @@ The model: a transformer-like state dict of about ``model_bytes`` (bf16 at the t
 embedding and LM head, attention (fused QKV, output projection) in every layer, a dense MLP
 or a mixture of experts (stacked ``[E, ...]`` expert weights and a router) in alternate layers,
 norms. The trainers shard it FSDP (the experts expert-parallel); the inference ranks shard it
-tensor-parallel (QKV and MLP-up by rows, output projection and MLP-down by columns), hold the
+tensor-parallel (QKV and MLP-up by rows, each of q, k, v and of gate, up on its own as fused
+layers are; output projection and MLP-down by columns), hold the
 experts expert-parallel, replicate the norms and routers, and may hold the projections in
 another dtype (``cast``: made at the trainers through their staging pools).
 
@@ -115,7 +116,9 @@ def synthetic_model(
     for i in range(layers):
         pre = f"layers.{i}."
         both(pre + "attn_norm", (h,), fsdp, Replicated())
-        both(pre + "attn.qkv", (3 * h, h), fsdp, tp_row(), proj)
+        # fused projections: each inference rank holds its slices of q, k and v (of gate and
+        # up) back to back, as an inference engine's fused linear layers do
+        both(pre + "attn.qkv", (3 * h, h), fsdp, tp_row(sections=(h, h, h)), proj)
         both(pre + "attn.o_proj", (h, h), fsdp, tp_column(), proj)
         both(pre + "mlp_norm", (h,), fsdp, Replicated())
         if i % 2:
@@ -126,7 +129,7 @@ def synthetic_model(
             both(pre + "mlp.experts.w13", (experts, 2 * f, h), src_ep, dst_ep, proj)
             both(pre + "mlp.experts.w2", (experts, h, f), src_ep, dst_ep, proj)
         else:
-            both(pre + "mlp.gate_up", (8 * h, h), fsdp, tp_row(), proj)
+            both(pre + "mlp.gate_up", (8 * h, h), fsdp, tp_row(sections=(4 * h, 4 * h)), proj)
             both(pre + "mlp.down", (h, 4 * h), fsdp, tp_column(), proj)
     both("norm", (h,), fsdp, Replicated())
     both("lm_head", (vocab, h), fsdp, tp_row())

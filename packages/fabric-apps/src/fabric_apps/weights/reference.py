@@ -64,10 +64,14 @@ def shard(full: Any, p: ParamSpec, world: int, rank: int) -> Any:
         return out
     if isinstance(s, TensorParallel):
         g, i = _group(world, s.replicas, rank)
-        size = full.shape[s.dim]
-        c = -(-size // g)
-        lo = min(i * c, size)
-        return full.narrow(s.dim, lo, min(lo + c, size) - lo).contiguous()
+        parts = torch.split(full, list(s.sections), s.dim) if s.sections else (full,)
+        mine = []
+        for part in parts:  # a fused tensor: each part cut on its own, the rank's slices concatenated
+            size = part.shape[s.dim]
+            c = -(-size // g)
+            lo = min(i * c, size)
+            mine.append(part.narrow(s.dim, lo, min(lo + c, size) - lo))
+        return torch.cat(mine, s.dim).contiguous()
     assert isinstance(s, ExpertPlacement)
     return full[torch.tensor(list(s.experts[rank]), dtype=torch.long)].contiguous()
 

@@ -254,15 +254,26 @@ class FsdpShard(_Sharding):
 
 @dataclass(frozen=True, slots=True)
 class TensorParallel(_Sharding):
-    """A slice along ``dim`` per rank (``torch.chunk`` cut), ``replicas`` groups of copies."""
+    """A slice along ``dim`` per rank (``torch.chunk`` cut), ``replicas`` groups of copies.
+
+    ``sections``: a fused tensor (QKV, gate and up), its sizes along ``dim`` in order. Each
+    section is cut across the ranks on its own and a rank holds its slices of all of them,
+    back to back in section order: an inference engine's fused projection, whose rank r holds
+    ``[q_r; k_r; v_r]``, not rows ``[r n / W, (r + 1) n / W)`` of the fused tensor. Empty
+    (the default): the whole size along ``dim`` is one section."""
 
     dim: int
     replicas: int = 1
+    sections: tuple[int, ...] = ()
     kind: Literal["tp"] = field(default="tp", init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dim", _int(self.dim, "TensorParallel.dim"))
         object.__setattr__(self, "replicas", _int(self.replicas, "TensorParallel.replicas", low=1))
+        if isinstance(self.sections, (str, bytes)) or not hasattr(self.sections, "__iter__"):
+            raise ConfigError(f"TensorParallel.sections must be a sequence of ints, got {self.sections!r}")
+        sections = tuple(_int(x, "TensorParallel.sections entry", low=1) for x in self.sections)
+        object.__setattr__(self, "sections", sections)
 
     def check(self, shape: tuple[int, ...], world: int, name: str) -> None:
         if self.dim >= len(shape):
@@ -270,36 +281,54 @@ class TensorParallel(_Sharding):
                 f"{name}: TensorParallel(dim={self.dim}) needs a tensor of at least {self.dim + 1} "
                 f"dimensions, the shape is {shape}"
             )
+        if self.sections and sum(self.sections) != shape[self.dim]:
+            raise ConfigError(
+                f"{name}: the sections {list(self.sections)} add up to {sum(self.sections)}, "
+                f"but dimension {self.dim} of {shape} is {shape[self.dim]}"
+            )
         _check_replicas(self.replicas, world, name, "TensorParallel")
 
-    def _slice(self, shape: tuple[int, ...], world: int, rank: int) -> tuple[int, int]:
-        size = shape[self.dim]
+    def _slices(self, shape: tuple[int, ...], world: int, rank: int) -> list[tuple[int, int]]:
+        """Rank ``rank``'s ``[lo, hi)`` along ``dim`` in each section, in global indices."""
         g, i = _group(world, self.replicas, rank)
-        c = -(-size // g)
-        lo = min(i * c, size)
-        return lo, min(lo + c, size)
+        out, base = [], 0
+        for size in self.sections or (shape[self.dim],):
+            c = -(-size // g)
+            lo = min(i * c, size)
+            out.append((base + lo, base + min(lo + c, size)))
+            base += size
+        return out
 
     def local_shape(self, shape: tuple[int, ...], world: int, rank: int) -> tuple[int, ...]:
-        lo, hi = self._slice(shape, world, rank)
-        return (*shape[: self.dim], hi - lo, *shape[self.dim + 1 :])
+        n = sum(hi - lo for lo, hi in self._slices(shape, world, rank))
+        return (*shape[: self.dim], n, *shape[self.dim + 1 :])
 
     def runs(self, shape: tuple[int, ...], world: int, rank: int) -> Runs:
-        lo, hi = self._slice(shape, world, rank)
+        slices = self._slices(shape, world, rank)
         outer, inner = math.prod(shape[: self.dim]), math.prod(shape[self.dim + 1 :])
-        rows = hi - lo
+        rows = sum(hi - lo for lo, hi in slices)
         if rows == 0 or outer == 0 or inner == 0:
             return _EMPTY
         o = np.arange(outer, dtype=_I64)
-        return _runs(
-            o * (shape[self.dim] * inner) + lo * inner, np.full(outer, rows * inner, _I64), o * (rows * inner)
-        )
+        starts, lengths, locals_ = [], [], []
+        done = 0
+        for lo, hi in slices:
+            starts.append(o * (shape[self.dim] * inner) + lo * inner)
+            lengths.append(np.full(outer, (hi - lo) * inner, _I64))
+            locals_.append(o * (rows * inner) + done * inner)
+            done += hi - lo
+        return _runs(np.concatenate(starts), np.concatenate(lengths), np.concatenate(locals_))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "dim": self.dim, "replicas": self.replicas}
+        out: dict[str, Any] = {"kind": self.kind, "dim": self.dim, "replicas": self.replicas}
+        if self.sections:
+            out["sections"] = list(self.sections)
+        return out
 
     def describe(self) -> str:
         rep = "" if self.replicas == 1 else f", replicas={self.replicas}"
-        return f"tp(dim={self.dim}{rep})"
+        sec = "" if not self.sections else ", sections=" + "+".join(map(str, self.sections))
+        return f"tp(dim={self.dim}{rep}{sec})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,9 +399,10 @@ Sharding = Union[Replicated, FsdpShard, TensorParallel, ExpertPlacement]
 _SHARDINGS: tuple[type[_Sharding], ...] = (Replicated, FsdpShard, TensorParallel, ExpertPlacement)
 
 
-def tp_row(replicas: int = 1) -> TensorParallel:
-    """Split dim 0 (the rows of a ``[out, in]`` weight: Megatron's ColumnParallelLinear)."""
-    return TensorParallel(0, replicas)
+def tp_row(replicas: int = 1, sections: tuple[int, ...] = ()) -> TensorParallel:
+    """Split dim 0 (the rows of a ``[out, in]`` weight: Megatron's ColumnParallelLinear);
+    ``sections``: a fused projection's parts (vLLM's QKVParallelLinear, MergedColumnParallelLinear)."""
+    return TensorParallel(0, replicas, tuple(sections))
 
 
 def tp_column(replicas: int = 1) -> TensorParallel:
