@@ -5,7 +5,10 @@ target of an imm waits naming the writer, so it probes it, while the writer's se
 refused (-EAGAIN: on shm, its queue full of writes). The answer must wait for the provider,
 not be dropped, the prober must ask again, and a probe left over from an earlier wait must
 not condemn the peer when a new wait begins; a peer that is really gone still fails the wait
-within the probe timeout. (``nox -s sanitize`` runs it under ThreadSanitizer too.)
+within the probe timeout. Case 4: a submit posts from the caller's thread only when asked
+to (the Python binding asks only with the GIL released: a provider call can block, on shm
+for good if a peer died holding its queue lock). (``nox -s sanitize`` runs it under
+ThreadSanitizer too.)
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("1", "refused answers: wait 0 after"),
         ("2", "second 0 after"),
         ("3", "gone: wait 3 after"),
+        ("4", "posted inline yes; with inline_ok=false by the worker yes"),
     ],
 )
 def test_liveness_probes_answer_late_and_fail_only_the_gone(program: Path, case: str, says: str) -> None:

@@ -17,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -69,6 +70,10 @@ class FakeNic {
     void* local_desc(void*, size_t) { return this; }
 
     int post_write(const fabric::WriteOp& w, void* ctx) {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            last_poster = std::this_thread::get_id();
+        }
         std::string to = peer_address(w.peer);
         if (to.empty()) return -EHOSTUNREACH;
         bool landed = false, access = false;
@@ -236,6 +241,12 @@ class FakeNic {
 
   public:
     std::atomic<int> refuse_sends{0};  // the next N sends answer -EAGAIN
+    std::thread::id last_poster;        // the thread of the last post_write (under mu_)
+
+    std::thread::id poster() {
+        std::lock_guard<std::mutex> lock(mu_);
+        return last_poster;
+    }
 };
 
 

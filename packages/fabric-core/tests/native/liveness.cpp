@@ -15,6 +15,11 @@
 //    a second wait, well after the first (its probe long unanswered, nothing watching it),
 //    probes afresh and completes too, instead of finding B lost at once.
 // 3. B is gone: A's wait fails with kCountPeerLost within the probe timeout (and a margin).
+// 4. Where a submit posts. With B's worker napping, would_post_inline() says so and a submit
+//    posts from the caller's thread; with inline_ok = false the worker posts it instead. The
+//    Python binding passes false unless it released the GIL: a post may block in the provider
+//    (on shm, spin on a peer's queue lock, forever if that peer died holding it), and with the
+//    GIL held through it no Python thread of the process ran, bounded waits included.
 #include <fabric/counters.hpp>
 #include <fabric/engine.hpp>
 
@@ -99,8 +104,9 @@ struct Pair {
         req->ops[0].src = reinterpret_cast<uint64_t>(src.data());
         req->ops[0].dst_off = 0;
         req->ops[0].len = 8;
-        b->submit(std::move(req));
+        b->submit(std::move(req), inline_ok);
     }
+    bool inline_ok = true;
 
     // A waits (up to ``limit`` s) for one count of ``imm``, naming B; B writes it after
     // ``after`` s (never if negative). Returns the wait's outcome and how long it took.
@@ -155,13 +161,48 @@ void a_peer_that_is_gone() {
     CHECK(took < kTimeout + 10 * kInterval);
 }
 
+void where_a_submit_posts() {
+    Pair p;
+    auto napping = [&p] {  // idle, the worker naps after 200 us of polling
+        for (int i = 0; i < 1000 && !p.b->would_post_inline(1); i++)
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        return p.b->would_post_inline(1);
+    };
+    auto counted = [&p](uint32_t imm) {
+        auto w = std::make_shared<CounterTable::Waiter>();
+        w->n = 1;
+        int rc = p.counters->enqueue(imm, w);
+        if (rc == fabric::kCountQueued) rc = p.counters->block(w, Clock::now() + std::chrono::seconds(2));
+        return rc == fabric::kCountOk;
+    };
+    const auto me = std::this_thread::get_id();
+    CHECK(napping());
+    CHECK(!p.b->would_post_inline(9));  // more than a submit posts itself
+    bool inline_here = false;           // inline_ok: posted by this thread, unless the worker
+    for (uint32_t imm = 100; imm < 120 && !inline_here; imm++) {  // woke between nap and submit
+        CHECK(napping());
+        p.write_imm(imm);
+        inline_here = p.b->nic(0).poster() == me;
+        CHECK(counted(imm));
+    }
+    CHECK(napping());
+    p.inline_ok = false;
+    p.write_imm(13);  // submitted by this thread, posted by the worker
+    CHECK(counted(13));
+    bool worker_posted = p.b->nic(0).poster() != me;
+    std::printf("submit: posted inline %s; with inline_ok=false by the worker %s\n", inline_here ? "yes" : "no",
+                worker_posted ? "yes" : "no");
+    CHECK(inline_here && worker_posted);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-    std::string only = argc > 1 ? argv[1] : "";  // "1", "2" or "3": that case alone
+    std::string only = argc > 1 ? argv[1] : "";  // "1" to "4": that case alone
     if (only.empty() || only == "1") answers_refused_for_a_while();
     if (only.empty() || only == "2") a_probe_left_over_from_an_earlier_wait();
     if (only.empty() || only == "3") a_peer_that_is_gone();
+    if (only.empty() || only == "4") where_a_submit_posts();
     std::printf("liveness: ok\n");
     return 0;
 }

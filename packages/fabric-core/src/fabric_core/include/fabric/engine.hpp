@@ -386,11 +386,20 @@ class Engine {
     Domain& nic(size_t i) { return *nics_.at(i); }
     CounterTable& counters() { return *counters_; }
 
-    void submit(std::unique_ptr<Request> req) {
+    // Whether a submit of ``ops`` work requests would now post them from the calling thread
+    // (the worker naps). A post is a provider call, and on shm one can spin on the peer's
+    // queue lock for as long as the peer holds it: forever if the peer was killed holding it.
+    // A caller holding a lock that others need meanwhile (Python's GIL) releases it first,
+    // or passes ``inline_ok = false`` to have the worker woken instead.
+    bool would_post_inline(size_t ops) const {
+        return ops <= kInlineOps && sleeping_.load(std::memory_order_seq_cst);
+    }
+
+    void submit(std::unique_ptr<Request> req, bool inline_ok = true) {
         bool small = req->ops.size() <= kInlineOps;
         queue_.push(std::move(req));
         if (!sleeping_.load(std::memory_order_seq_cst)) return;  // the worker will take it
-        if (small) {
+        if (small && inline_ok) {
             // The worker is napping: post from this thread rather than pay for waking it (it
             // comes back within a nap to poll what is now in flight).
             std::unique_lock<std::mutex> lock(progress_mu_, std::try_to_lock);

@@ -230,7 +230,10 @@ class PyEngine {
                 op.dst_off = static_cast<uint64_t>(dof(i));
                 op.len = static_cast<uint64_t>(ln(i));
             }
-            engine_->submit(std::move(req));
+            if (release)
+                engine_->submit(std::move(req));
+            else
+                submit_outside_gil(std::move(req));
         }
     }
 
@@ -445,12 +448,25 @@ class PyEngine {
         int64_t imms = req->has_imm ? static_cast<int64_t>(req->ops.size()) : 0;
         rotation_++;
         fast_submitted_++;
-        engine_->submit(std::move(req));
+        submit_outside_gil(std::move(req));
         return imms;
     }
 
-    // A request naming one peer (a control message, or a resolution). The push is O(1) and
-    // lock-free, so the GIL stays held (releasing it costs more than the push).
+    // Submits with the GIL held, except that a request the engine would post from this
+    // thread (its worker naps) is posted with the GIL released: a provider call may block (on
+    // shm, spin on a peer's lock; forever if the peer died holding it), and the GIL held
+    // through it stopped every Python thread of the process, bounded waits included. The
+    // push alone is O(1) and lock-free: releasing the GIL for it costs more than it does.
+    void submit_outside_gil(std::unique_ptr<Request> req) {
+        if (engine_->would_post_inline(req->ops.size())) {
+            py::gil_scoped_release release;
+            engine_->submit(std::move(req));
+        } else {
+            engine_->submit(std::move(req), /*inline_ok=*/false);
+        }
+    }
+
+    // A request naming one peer (a control message, or a resolution): see submit_outside_gil.
     void submit_to(uint64_t id, const py::bytes& address, const py::bytes& payload, bool resolve_only,
                    double timeout_s) {
         check_open();
@@ -460,7 +476,7 @@ class PyEngine {
         req->send_to = address;
         req->payload = payload;
         req->resolve_only = resolve_only;
-        engine_->submit(std::move(req));
+        submit_outside_gil(std::move(req));
     }
 
     void check_open() const {
