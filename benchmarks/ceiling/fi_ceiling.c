@@ -21,7 +21,7 @@
  * round robin to every target, as T training ranks push weights to I inference ranks. Time
  * runs from the first initiator's start to the last target's count of its imms (one
  * CLOCK_MONOTONIC for all): the aggregate bandwidth of that fan, whose receivers, on shm, are
- * the processes that copy. Implies -l 0.
+ * the processes that copy. -b and -d as for a pair. Implies -l 0.
  * Output: one JSON object per line on stdout.
  */
 #define _GNU_SOURCE
@@ -187,27 +187,35 @@ static size_t slot_offset(const struct node *n, size_t size, uint64_t i) {
     return span && slots ? (size_t)(i % slots) * size : 0;
 }
 
-static ssize_t post_write(struct node *n, size_t size, uint64_t data) {
-    size_t off = slot_offset(n, size, data);
+/* One write with remote CQ data from local offset lo to offset ro of ``remote`` (at ``peer``). */
+static ssize_t post_write_to(struct node *n, size_t size, uint64_t data, fi_addr_t peer,
+                             const struct peer_info *remote, size_t lo, size_t ro) {
     if (!delivery_complete)
-        return fi_writedata(n->ep, n->buf + off, size, n->desc, data, n->peer, n->remote.base + off, n->remote.key,
-                            NULL);
-    struct iovec iov = {.iov_base = n->buf + off, .iov_len = size};
-    struct fi_rma_iov rma = {.addr = n->remote.base + off, .len = size, .key = n->remote.key};
+        return fi_writedata(n->ep, n->buf + lo, size, n->desc, data, peer, remote->base + ro, remote->key, NULL);
+    struct iovec iov = {.iov_base = n->buf + lo, .iov_len = size};
+    struct fi_rma_iov rma = {.addr = remote->base + ro, .len = size, .key = remote->key};
     void *desc = n->desc;
     struct fi_msg_rma msg = {
-        .msg_iov = &iov, .desc = &desc, .iov_count = 1, .addr = n->peer,
+        .msg_iov = &iov, .desc = &desc, .iov_count = 1, .addr = peer,
         .rma_iov = &rma, .rma_iov_count = 1, .context = NULL, .data = data};
     return fi_writemsg(n->ep, &msg, FI_COMPLETION | FI_REMOTE_CQ_DATA | (size ? FI_DELIVERY_COMPLETE : 0));
 }
 
-static void write_imm(struct node *n, size_t size, uint64_t data, long *tx, long *rx) {
+/* post_write_to, polling the CQ while the provider answers EAGAIN. */
+static void write_imm_to(struct node *n, size_t size, uint64_t data, fi_addr_t peer, const struct peer_info *remote,
+                         size_t lo, size_t ro, long *tx, long *rx) {
     for (;;) {
-        ssize_t rc = post_write(n, size, data);
+        ssize_t rc = post_write_to(n, size, data, peer, remote, lo, ro);
         if (rc == 0) return;
         if (rc != -FI_EAGAIN) CHECK(rc);
         poll_cq(n, tx, rx);
     }
+}
+
+/* A pair's write i: slot i of both buffers (offset 0 without -b). */
+static void write_imm(struct node *n, size_t size, uint64_t data, long *tx, long *rx) {
+    size_t off = slot_offset(n, size, data);
+    write_imm_to(n, size, data, n->peer, &n->remote, off, off, tx, rx);
 }
 
 enum { CMD_BW = 1, CMD_PING = 2, CMD_QUIT = 3 };
@@ -254,11 +262,6 @@ struct report {
     long count;
 };
 
-static size_t fan_slot(size_t buflen, size_t size, uint64_t i) {
-    size_t slots = size ? buflen / size : 1;
-    return slots ? (size_t)(i % slots) * size : 0;
-}
-
 static void fan_child(int fd, const char *prov, size_t buflen, int initiator, int me, int T, int I, int window) {
     struct node n = {0};
     node_open(&n, prov, buflen);
@@ -292,15 +295,8 @@ static void fan_child(int fd, const char *prov, size_t buflen, int initiator, in
                     int k = (int)(posted % I);
                     /* this initiator's own slots at each target, cycling through its buffer */
                     uint64_t there = (uint64_t)(posted / I) * (uint64_t)T + (uint64_t)me;
-                    size_t lo = fan_slot(n.buflen, c.size, (uint64_t)posted);
-                    size_t ro = fan_slot(n.buflen, c.size, there);
-                    for (;;) {
-                        ssize_t rc = fi_writedata(n.ep, n.buf + lo, c.size, n.desc, (uint64_t)posted, addrs[k],
-                                                  peers[k].base + ro, peers[k].key, NULL);
-                        if (rc == 0) break;
-                        if (rc != -FI_EAGAIN) CHECK(rc);
-                        poll_cq(&n, &tx, &rx);
-                    }
+                    write_imm_to(&n, c.size, (uint64_t)posted, addrs[k], &peers[k],
+                                 slot_offset(&n, c.size, (uint64_t)posted), slot_offset(&n, c.size, there), &tx, &rx);
                     posted++;
                 }
                 poll_cq(&n, &tx, &rx);
@@ -372,7 +368,7 @@ static int run_fan(const char *prov, const char *sizes, int T, int I, int window
         printf("{\"kind\": \"fan_bandwidth\", \"provider\": \"%s\", \"initiators\": %d, \"targets\": %d, \"size\": %zu, "
                "\"span\": %zu, \"window\": %d, \"writes_per_initiator\": %ld, \"reps\": %d, \"seconds_median\": %.6f, "
                "\"gbytes_per_s\": %.4f, \"t_start\": %.6f, \"t_end\": %.6f}\n",
-               prov, T, I, size, buflen, window, count, k, t, bytes / t / 1e9, first_start, last_end);
+               prov, T, I, size, span, window, count, k, t, bytes / t / 1e9, first_start, last_end);
         fflush(stdout);
     }
     struct cmd quit = {CMD_QUIT, 0, 0};

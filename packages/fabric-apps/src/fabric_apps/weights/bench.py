@@ -176,8 +176,7 @@ class RlBenchSpec:
             raise ConfigError("give both source and destination fleets, or neither")
         if not self.timeout > 0:
             raise ConfigError(f"timeout must be > 0, got {self.timeout}")
-        if self.max_write_bytes < 64:
-            raise ConfigError(f"max_write_bytes must be at least 64, got {self.max_write_bytes}")
+        self.options()  # the plan's own checks of staging_bytes and max_write_bytes
         if self.model_bytes < 1 << 20:
             raise ConfigError(f"model_bytes must be at least 1 MiB, got {self.model_bytes}")
         if self.cast is not None:
@@ -642,8 +641,10 @@ class RlBenchResult:
     def timeline(self) -> list[dict[str, Any]]:
         """Per timed step, in ms from the first trainer's start: when each trainer started,
         when each trainer's writes had all completed there, and when each inference rank's
-        fence passed (the step ends at the last of these)."""
-        out = []
+        fence passed (the step ends at the last of these). Empty without per-rank times."""
+        out: list[dict[str, Any]] = []
+        if not (self.sources and self.destinations):
+            return out
         for i in range(self.spec.warmup, self.spec.warmup + self.spec.steps):
             t0 = min(s["starts"][i] for s in self.sources)
             out.append(
@@ -680,7 +681,7 @@ class RlBenchResult:
                 "destination_nic_imbalance": b.destination_nic_imbalance,
             },
             "step_seconds": self.step_seconds,
-            "timeline_ms": self.timeline() if self.sources and self.destinations else [],
+            "timeline_ms": self.timeline(),
             "median_s": self.median_s,
             "gbytes_per_s": self.gbytes_per_s,
             "ceiling": self.ceiling,
