@@ -696,6 +696,7 @@ class Engine {
     // --- worker -------------------------------------------------------------------------
     void run(int cpu) {
 #if defined(__linux__)
+        pthread_setname_np(pthread_self(), "fabric-worker");  // as top -H and /proc show it
         if (cpu >= 0) {
             cpu_set_t set;
             CPU_ZERO(&set);
