@@ -7,7 +7,9 @@ not be dropped, the prober must ask again, and a probe left over from an earlier
 not condemn the peer when a new wait begins; a peer that is really gone still fails the wait
 within the probe timeout. Case 4: a submit posts from the caller's thread only when asked
 to (the Python binding asks only with the GIL released: a provider call can block, on shm
-for good if a peer died holding its queue lock). (``nox -s sanitize`` runs it under
+for good if a peer died holding its queue lock). Case 5: a worker stuck inside such a call
+does not make ``close`` wait for ever: it returns false after its bound, the engine says it
+is wedged, and its completion side is released. (``nox -s sanitize`` runs it under
 ThreadSanitizer too.)
 """
 
@@ -42,6 +44,7 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("2", "second 0 after"),
         ("3", "gone: wait 3 after"),
         ("4", "posted inline yes; with inline_ok=false by the worker yes"),
+        ("5", "close returned false after 0.2"),
     ],
 )
 def test_liveness_probes_answer_late_and_fail_only_the_gone(program: Path, case: str, says: str) -> None:

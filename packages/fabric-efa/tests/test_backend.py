@@ -235,3 +235,37 @@ def test_an_address_with_a_cuda_ipc_part_reaches_host_memory_from_an_engine_with
     finally:
         a.close()
         b.close()
+
+
+def test_a_close_that_leaves_a_thread_in_the_provider_returns_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The Python side of a wedged close (the core's is proven on a fake NIC whose post never
+    returns: tests/test_native_liveness.py, case 5). The core is asked to wait for its threads
+    within what is left of close()'s timeout (at least 1 s), and when it reports a thread
+    still inside the provider, close() returns anyway, the engine is closed, and the log says
+    what was left behind."""
+    import logging
+
+    import numpy as np
+
+    engine = registry.open_engine("efa", efa_provider="shm")
+    core = engine._core  # type: ignore[attr-defined]
+    asked: list[float] = []
+
+    class StuckCore:
+        def __getattr__(self, name: str) -> object:
+            return getattr(core, name)
+
+        def close(self, join_timeout_s: float = -1.0) -> bool:
+            asked.append(join_timeout_s)
+            core.close(join_timeout_s)
+            return False
+
+    engine.register(np.zeros(4096, np.uint8))
+    engine._core = StuckCore()  # type: ignore[attr-defined]
+    with caplog.at_level(logging.ERROR, logger="fabric_core.native"):
+        engine.close(timeout=3.0)
+    assert engine.closed and len(asked) == 1 and 1.0 <= asked[0] <= 3.0
+    assert any("stuck inside the provider" in r.getMessage() for r in caplog.records)
+    assert core.close(0.1) is True and core.wedged() is False  # the real core left cleanly

@@ -79,6 +79,7 @@ _STATUS: dict[int, type[TransportError]] = {
 }
 _CLOSED = 4
 _DRAIN_S = 0.002  # how long a waiter drains completions itself before sleeping on its event
+_JOIN_MIN_S = 1.0  # close() waits at least this long for the engine's threads (else its timeout)
 _completers = itertools.count(1)
 
 
@@ -445,11 +446,20 @@ class NativeEngine(EngineBase):
         if self._guarded:
             for a in self._addresses:
                 self._mark_closed(a.raw)
+        deadline = time.monotonic() + timeout
         if drain:
-            deadline = time.monotonic() + timeout
             while self._inflight and time.monotonic() < deadline:
                 time.sleep(0.001)
-        self._core.close()  # fails what is left with status "closed"
+        # fails what is left with status "closed". A thread stuck inside the provider (on shm,
+        # a post to a peer killed holding its queue lock never returns) is left behind after
+        # the bound, and the engine with it: close() still returns, and the process can exit.
+        if not self._core.close(max(_JOIN_MIN_S, deadline - time.monotonic())):
+            logger.error(
+                "fabric: closing the engine on %s: a thread is stuck inside the provider (a "
+                "peer killed while holding a lock it shares, on shm); the engine's endpoints "
+                "and registrations are left as they are (leaked) and its transfers fail",
+                self._where,
+            )
         self._stop = True
         self._completer.join()
         left = list(self._inflight.values())

@@ -9,6 +9,7 @@
 #include <fabric/engine.hpp>
 
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -73,6 +74,11 @@ class FakeNic {
         {
             std::lock_guard<std::mutex> lock(mu_);
             last_poster = std::this_thread::get_id();
+        }
+        if (hang_posts.load()) {  // as a post on shm to a peer killed holding its queue lock
+            hanging.fetch_add(1);
+            while (hang_posts.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+            hanging.fetch_sub(1);
         }
         std::string to = peer_address(w.peer);
         if (to.empty()) return -EHOSTUNREACH;
@@ -242,6 +248,8 @@ class FakeNic {
   public:
     std::atomic<int> refuse_sends{0};  // the next N sends answer -EAGAIN
     std::thread::id last_poster;        // the thread of the last post_write (under mu_)
+    std::atomic<bool> hang_posts{false};  // while set, post_write does not return
+    std::atomic<int> hanging{0};          // threads inside such a post_write
 
     std::thread::id poster() {
         std::lock_guard<std::mutex> lock(mu_);

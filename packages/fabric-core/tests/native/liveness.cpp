@@ -20,6 +20,11 @@
 //    Python binding passes false unless it released the GIL: a post may block in the provider
 //    (on shm, spin on a peer's queue lock, forever if that peer died holding it), and with the
 //    GIL held through it no Python thread of the process ran, bounded waits included.
+// 5. A worker stuck inside the provider (a post that never returns, as on shm to a peer killed
+//    holding its queue lock): dump() says for how long instead of waiting for the progress
+//    lock, a fence gives up at its deadline; close(bound) returns false after the bound
+//    instead of waiting for ever, the engine reports itself wedged and its completion side is
+//    released; once the call returns at last, destroying the engine waits for the worker.
 #include <fabric/counters.hpp>
 #include <fabric/engine.hpp>
 
@@ -195,14 +200,51 @@ void where_a_submit_posts() {
     CHECK(inline_here && worker_posted);
 }
 
+void a_worker_stuck_in_the_provider() {
+    Pair p;
+    p.b->nic(0).hang_posts = true;
+    p.inline_ok = false;
+    p.write_imm(300);  // B's worker posts it and does not come back
+    for (int i = 0; i < 5000 && p.b->nic(0).hanging.load() == 0; i++)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    CHECK(p.b->nic(0).hanging.load() == 1);
+    auto since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    auto t0 = Clock::now();  // the diagnostics and a fence answer instead of waiting for the worker
+    fabric::EngineDump dump = p.b->dump();
+    double dumped = since(t0);
+    t0 = Clock::now();
+    std::vector<std::string> unfenced = p.b->fence({p.a->nic(0).address()}, 0.2);
+    double fenced = since(t0);
+    bool no_peers = p.b->peer_traffic().empty();
+    std::printf("stuck worker: dump after %.3f s says stuck for %.3f s; fence gave up after %.3f s\n", dumped,
+                dump.progress_stuck_s, fenced);
+    CHECK(dump.progress_stuck_s >= 0.3 && dump.requests.empty() && dumped < 1.0);
+    CHECK(unfenced.size() == 1 && fenced < 1.0 && no_peers);
+    t0 = Clock::now();
+    bool joined = p.b->close(0.2);
+    double took = std::chrono::duration<double>(Clock::now() - t0).count();
+    t0 = Clock::now();
+    fabric::Batch after = p.b->wait_batch(5.0);  // the completion side is told at once
+    double told = std::chrono::duration<double>(Clock::now() - t0).count();
+    std::printf("stuck worker: close returned %s after %.3f s, wedged %s, wait_batch back after %.3f s\n",
+                joined ? "true" : "false", took, p.b->wedged() ? "yes" : "no", told);
+    CHECK(!joined && p.b->wedged() && took >= 0.2 && took < 2.0 && told < 1.0 && after.done.empty());
+    CHECK(!p.b->close(0.1));        // idempotent: still wedged
+    CHECK(p.a->close(1.0));          // an engine whose threads leave is not
+    p.b->nic(0).hang_posts = false;  // the call returns at last (its write lands in A's memory):
+    p.b.reset();                     // ~Engine waits for the worker to leave
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-    std::string only = argc > 1 ? argv[1] : "";  // "1" to "4": that case alone
+    std::string only = argc > 1 ? argv[1] : "";  // "1" to "5": that case alone
     if (only.empty() || only == "1") answers_refused_for_a_while();
     if (only.empty() || only == "2") a_probe_left_over_from_an_earlier_wait();
     if (only.empty() || only == "3") a_peer_that_is_gone();
     if (only.empty() || only == "4") where_a_submit_posts();
+    if (only.empty() || only == "5") a_worker_stuck_in_the_provider();
     std::printf("liveness: ok\n");
     return 0;
 }

@@ -62,13 +62,22 @@ class CounterTable {
     explicit CounterTable(std::chrono::microseconds spin = std::chrono::microseconds(200)) : spin_(spin) {}
 
     // Installs (or, with nullptr, removes) the engine's progress hook. Removal waits until no
-    // waiter is inside the hook, so the engine may be destroyed once it returns.
-    void set_progress(Progress fn) {
+    // waiter is inside the hook, so the engine may be destroyed once it returns. A waiter can
+    // stay inside for good (a provider call that never returns: on shm, a post spinning on
+    // the lock of a peer killed holding it); past ``deadline`` this gives up, leaves the hook
+    // off but in place (never replaced under a thread that runs it) and returns false: the
+    // engine must then outlive that thread, which the owner ensures by leaking it.
+    bool set_progress(Progress fn,
+                      std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max()) {
         std::lock_guard<std::mutex> lock(hook_mu_);
         hook_on_.store(false, std::memory_order_seq_cst);
-        while (in_hook_.load(std::memory_order_seq_cst) > 0) std::this_thread::yield();
+        while (in_hook_.load(std::memory_order_seq_cst) > 0) {
+            if (std::chrono::steady_clock::now() >= deadline) return false;
+            std::this_thread::yield();
+        }
         hook_ = std::move(fn);
         hook_on_.store(static_cast<bool>(hook_), std::memory_order_seq_cst);
+        return true;
     }
     CounterTable(const CounterTable&) = delete;
     CounterTable& operator=(const CounterTable&) = delete;

@@ -311,6 +311,9 @@ struct EngineDump {
     size_t inflight_wrs = 0;
     std::vector<size_t> unposted_per_nic;
     uint64_t pokes_sent = 0;  // see Engine::poke
+    // >= 0: the progress lock stayed taken (a provider call that does not return, see
+    // Engine::close) and the rest is empty; how long the step holding it has run, in seconds
+    double progress_stuck_s = -1.0;
 };
 
 struct EngineStats {
@@ -374,8 +377,17 @@ class Engine {
     // The domains go first: a provider may still hold the contexts of work requests that never
     // completed (FI_CONTEXT2: its own bookkeeping lives in them), inside requests of live_ and
     // probe_ctx_, so those must outlive every fi_close.
+    //
+    // A wedged engine (close() returned false) must not be destroyed while the thread stuck in
+    // the provider can still return into it: owners leak it (PyEngine does). Destroying one
+    // anyway waits here until its worker has left.
     ~Engine() {
         close();
+        if (wedged_.load()) {
+            std::unique_lock<std::mutex> lock(exit_mu_);
+            exit_cv_.wait(lock, [this] { return exited_; });
+        }
+        if (worker_.joinable()) worker_.join();
         nics_.clear();
     }
 
@@ -402,7 +414,7 @@ class Engine {
         if (small && inline_ok) {
             // The worker is napping: post from this thread rather than pay for waking it (it
             // comes back within a nap to poll what is now in flight).
-            std::unique_lock<std::mutex> lock(progress_mu_, std::try_to_lock);
+            std::unique_lock<std::timed_mutex> lock(progress_mu_, std::try_to_lock);
             if (lock.owns_lock() && !stop_.load(std::memory_order_acquire)) {
                 intake();
                 post_pending();
@@ -421,7 +433,7 @@ class Engine {
     // Returns whether the step did any work.
     bool help() {
         if (stop_.load(std::memory_order_acquire)) return false;
-        std::unique_lock<std::mutex> lock(progress_mu_, std::try_to_lock);
+        std::unique_lock<std::timed_mutex> lock(progress_mu_, std::try_to_lock);
         if (!lock.owns_lock() || stop_.load(std::memory_order_acquire)) return false;
         return step();
     }
@@ -487,23 +499,54 @@ class Engine {
         return b;
     }
 
+    // Stops the worker and waits for it (and for waiters inside progress) at most
+    // ``join_timeout_s`` (negative: for ever). Returns true once they have left; false if one
+    // is still inside a provider call past the bound: the engine is then *wedged*. On shm a
+    // post spins on the peer's queue lock, for good if that peer was killed holding it, and
+    // nothing in this process can make it return. A wedged engine's worker is detached; it
+    // stops for good, publishes nothing more, and wait_batch() returns at once, so the
+    // caller fails what was in flight itself. Its endpoints and registrations must stay as
+    // they are (the stuck call may use them) and the engine must not be destroyed: its owner
+    // leaks it, and the process can still exit.
     // Idempotent; a second caller (the destructor, another thread) returns only once the
-    // first has joined the worker, so the engine is never destroyed under a closing thread.
-    void close() {
+    // first is done, so the engine is never destroyed under a closing thread.
+    bool close(double join_timeout_s = -1.0) {
         std::lock_guard<std::mutex> closing(close_mu_);
-        counters_->set_progress(nullptr);  // waiters stop helping (and wait for those inside)
-        if (stop_.exchange(true)) return;
+        auto deadline = join_timeout_s < 0 ? Clock::time_point::max()
+                                           : Clock::now() + to_duration(std::min(join_timeout_s, 1e6));
+        // waiters stop helping (and those inside are waited for, up to the bound)
+        bool helpers_out = counters_->set_progress(nullptr, deadline);
+        if (stop_.exchange(true)) return !wedged_.load();
         {
             std::lock_guard<std::mutex> lock(wake_mu_);
             wake_cv_.notify_all();
         }
-        if (worker_.joinable()) worker_.join();
+        bool exited;
+        {
+            std::unique_lock<std::mutex> lock(exit_mu_);
+            if (join_timeout_s < 0) {
+                exit_cv_.wait(lock, [this] { return exited_; });
+            } else {
+                exit_cv_.wait_until(lock, deadline, [this] { return exited_; });
+            }
+            exited = exited_;
+        }
+        if (exited) {
+            worker_.join();
+        } else if (worker_.joinable()) {
+            worker_.detach();  // still inside the provider: it may never come back
+        }
+        if (!exited || !helpers_out) wedged_.store(true);
         {
             std::lock_guard<std::mutex> lock(out_mu_);
             stopped_ = true;
         }
         out_cv_.notify_all();
+        return !wedged_.load();
     }
+
+    // close() found a thread stuck inside the provider (see close()).
+    bool wedged() const { return wedged_.load(); }
 
     EngineStats stats() const {
         EngineStats s;
@@ -535,9 +578,11 @@ class Engine {
     }
 
     // Per peer written to (by its NIC 0 address). Takes the progress lock (briefly).
+    // Per-peer traffic; empty if the progress lock stays taken (a wedged worker: see dump()).
     std::vector<PeerTrafficView> peer_traffic() {
-        std::lock_guard<std::mutex> lock(progress_mu_);
+        std::unique_lock<std::timed_mutex> lock(progress_mu_, std::defer_lock);
         std::vector<PeerTrafficView> out;
+        if (!lock.try_lock_for(kDiagnosticWait)) return out;
         for (const auto& [addr, p] : peer_state_)
             if (p.wrs + p.errors + p.inflight > 0) out.push_back(PeerTrafficView{addr, p.wrs, p.bytes, p.errors, p.inflight});
         return out;
@@ -548,7 +593,7 @@ class Engine {
     // requests with no deadline of their own complete with kTimeout ``transfer_timeout_s``
     // after intake (infinite: never).
     void configure_liveness(double interval_s, double timeout_s, double transfer_timeout_s) {
-        std::lock_guard<std::mutex> lock(progress_mu_);
+        std::lock_guard<std::timed_mutex> lock(progress_mu_);
         probe_interval_ = interval_s > 0 ? to_duration(interval_s) : Clock::duration::max();
         probe_timeout_ = to_duration(timeout_s);
         default_timeout_s_ = transfer_timeout_s;
@@ -559,7 +604,7 @@ class Engine {
     // whether it was still running, and the peers (NIC 0 addresses) it was writing to: the
     // caller fences them (fence()) to know that nothing of it can land any more. Any thread.
     bool cancel(uint64_t id, std::vector<std::string>& peers) {
-        std::lock_guard<std::mutex> lock(progress_mu_);
+        std::lock_guard<std::timed_mutex> lock(progress_mu_);
         now_ = Clock::now();
         intake();  // it may still be in the submission queue
         auto it = live_.find(id);
@@ -592,7 +637,9 @@ class Engine {
         std::vector<std::string> left(addresses);
         std::vector<Posting> posted;  // the writes under way now, to any of ``addresses``
         {
-            std::lock_guard<std::mutex> lock(progress_mu_);
+            // bounded: a wedged worker (see close()) holds this lock for good
+            std::unique_lock<std::timed_mutex> lock(progress_mu_, std::defer_lock);
+            if (!lock.try_lock_until(deadline)) return left;
             nonce = ++fence_nonce_;
             now_ = Clock::now();
             for (const auto& a : addresses) {
@@ -601,9 +648,14 @@ class Engine {
             }
             posted = postings_to(addresses, 0);
         }
+        bool stuck = false;
         while (true) {
             {
-                std::lock_guard<std::mutex> lock(progress_mu_);
+                std::unique_lock<std::timed_mutex> lock(progress_mu_, std::defer_lock);
+                if (!lock.try_lock_until(deadline)) {
+                    stuck = true;
+                    break;
+                }
                 now_ = Clock::now();
                 step();
                 posted.erase(std::remove_if(posted.begin(), posted.end(),
@@ -621,7 +673,9 @@ class Engine {
             if (left.empty() || Clock::now() >= deadline || stop_.load()) break;
             std::this_thread::sleep_for(std::chrono::microseconds(50));
         }
-        std::lock_guard<std::mutex> lock(progress_mu_);
+        std::unique_lock<std::timed_mutex> lock(progress_mu_, std::defer_lock);
+        if (stuck && !lock.try_lock_for(kDiagnosticWait)) return left;  // wedged: its entry stays
+        if (!lock.owns_lock()) lock.lock();
         fences_.erase(std::remove_if(fences_.begin(), fences_.end(), [&](const Fence& f) { return f.nonce == nonce; }),
                       fences_.end());
         return left;
@@ -634,12 +688,24 @@ class Engine {
         touched_.push_back(address);
     }
 
+    // Seconds since the step now running began (how long a wedged worker has been stuck).
+    double stuck_for() const {
+        auto began = Clock::time_point(Clock::duration(step_started_ns_.load(std::memory_order_relaxed)));
+        return std::chrono::duration<double>(Clock::now() - began).count();
+    }
+
     // What is outstanding, for hang diagnostics: live requests (oldest first), known peers.
+    // A wedged worker (see close()) holds the progress lock for good: the dump then says for
+    // how long, instead of waiting for it.
     EngineDump dump() {
-        std::lock_guard<std::mutex> lock(progress_mu_);
+        std::unique_lock<std::timed_mutex> lock(progress_mu_, std::defer_lock);
+        EngineDump out;
+        if (!lock.try_lock_for(kDiagnosticWait)) {
+            out.progress_stuck_s = stuck_for();
+            return out;
+        }
         auto now = Clock::now();
         auto secs = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
-        EngineDump out;
         out.inflight_wrs = inflight_;
         for (size_t n = 0; n < pending_.size(); n++) {
             size_t waiting = pending_[n].size();
@@ -732,7 +798,7 @@ class Engine {
         while (!stop_.load(std::memory_order_acquire)) {
             bool busy, inflight, full;
             {
-                std::lock_guard<std::mutex> lock(progress_mu_);
+                std::lock_guard<std::timed_mutex> lock(progress_mu_);
                 busy = step();
                 inflight = inflight_ > 0;
                 full = full_;
@@ -762,15 +828,21 @@ class Engine {
             }
             nap(kNap);
         }
-        std::lock_guard<std::mutex> lock(progress_mu_);
-        // Fail whatever is still in flight: the engine is closing.
-        drain_on_close();
+        {
+            std::lock_guard<std::timed_mutex> lock(progress_mu_);
+            // Fail whatever is still in flight: the engine is closing.
+            drain_on_close();
+        }
+        std::lock_guard<std::mutex> lock(exit_mu_);
+        exited_ = true;
+        exit_cv_.notify_all();  // under the lock: close() may be gone with the engine once it sees exited_
     }
 
     // One progress step: take new requests, post, poll every CQ, publish. Whoever holds
     // progress_mu_ runs it: the worker, or a thread that help()s while it waits on a counter.
     bool step() {
         now_ = Clock::now();
+        step_started_ns_.store(now_.time_since_epoch().count(), std::memory_order_relaxed);
         bool busy = intake();
         busy |= post_pending();
         busy |= poll_all();
@@ -2091,6 +2163,9 @@ class Engine {
     std::unordered_map<uint64_t, std::unique_ptr<Request>> live_;
     static constexpr size_t kCoalesce = 32;
     static constexpr size_t kInlineOps = 8;  // a submit posts at most this many WRs itself
+    // how long dump() and peer_traffic() wait for the progress lock (a step takes microseconds;
+    // one that holds it this long is stuck inside the provider)
+    static constexpr auto kDiagnosticWait = std::chrono::milliseconds(200);
     static constexpr std::chrono::microseconds kCoalesceWait{10};
     std::atomic<bool> more_coming_{false};  // work was in flight at the last publication
     size_t inflight_ = 0;
@@ -2240,7 +2315,12 @@ class Engine {
     std::mutex wake_mu_;
     std::condition_variable wake_cv_;
     std::atomic<bool> sleeping_{false};
-    std::mutex progress_mu_;      // held by whoever runs step(): the worker or a helper
+    std::mutex exit_mu_;          // exited_: the worker has left run() (close() waits on exit_cv_)
+    std::condition_variable exit_cv_;
+    bool exited_ = false;
+    std::atomic<bool> wedged_{false};  // close() left a thread inside the provider
+    std::atomic<int64_t> step_started_ns_{0};  // when the last step began (Clock ticks): see stuck_for()
+    std::timed_mutex progress_mu_;     // held by whoever runs step(): the worker or a helper
     std::atomic<int> drainers_{0};  // threads in drain(): the completion thread is not woken
     std::atomic<bool> stop_{false};
     std::mutex close_mu_;

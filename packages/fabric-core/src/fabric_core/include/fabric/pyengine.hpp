@@ -64,7 +64,10 @@ class PyEngine {
                                                    chaos_seed.has_value(), cpu, recv_depth, max_send);
     }
 
-    virtual ~PyEngine() { close(); }
+    virtual ~PyEngine() {
+        close(kDestroyJoinS);
+        if (wedged_) (void)engine_.release();  // see destroy()
+    }
     PyEngine(const PyEngine&) = delete;
     PyEngine& operator=(const PyEngine&) = delete;
 
@@ -106,7 +109,7 @@ class PyEngine {
     void deregister(uint64_t handle) {
         std::lock_guard<std::mutex> lock(mu_);
         auto it = regs_.find(handle);
-        if (it == regs_.end()) return;
+        if (it == regs_.end()) return;  // (a wedged engine's are all gone: see close())
         if (fast_ && it->second.region_handle != 0) fast_->drop_region(it->second.region_handle);
         release(it->second);
         regs_.erase(it);
@@ -295,7 +298,7 @@ class PyEngine {
     // Per peer written to: (NIC 0 address, work requests, bytes, errors, in flight).
     std::vector<std::tuple<py::bytes, uint64_t, uint64_t, uint64_t, uint64_t>> peer_stats() {
         std::vector<PeerTrafficView> views;
-        if (engine_) {
+        if (engine_ && !wedged_) {  // (a wedged engine's progress lock may never come free)
             py::gil_scoped_release release;
             views = engine_->peer_traffic();
         } else {
@@ -378,6 +381,7 @@ class PyEngine {
                 v["down_nics"] = p.down_nics;
                 peers.append(v);
             }
+            if (e.progress_stuck_s >= 0) d["progress_stuck_s"] = e.progress_stuck_s;
             d["inflight_work_requests"] = e.inflight_wrs;
             d["unposted_per_nic"] = e.unposted_per_nic;
             d["pokes_sent"] = e.pokes_sent;
@@ -388,34 +392,46 @@ class PyEngine {
     }
 
     // Idempotent and safe from several threads: a second caller (destroy() on another thread,
-    // say) waits, GIL released, until the first is done with the engine.
-    void close() {
+    // say) waits, GIL released, until the first is done with the engine. Waits for the
+    // engine's threads at most ``join_timeout_s`` (negative: for ever) and returns false if one
+    // is stuck inside the provider (Engine::close: the engine is wedged). A wedged engine's
+    // registrations are not released and the engine is not destroyed (destroy() leaks it):
+    // the stuck call may still use them, and the process can exit.
+    bool close(double join_timeout_s = -1.0) {
         std::unique_lock<std::mutex> closing(close_mu_, std::defer_lock);
         {
             py::gil_scoped_release release;
             closing.lock();
         }
-        if (!engine_ || closed_) return;
+        if (!engine_ || closed_) return !wedged_;
         closed_ = true;
         {
             py::gil_scoped_release release;
-            engine_->close();
+            wedged_ = !engine_->close(join_timeout_s);
         }
         if (fast_) fast_->clear();
         std::lock_guard<std::mutex> lock(mu_);
-        for (auto& [h, reg] : regs_) release(reg);
+        if (!wedged_)
+            for (auto& [h, reg] : regs_) release(reg);
         regs_.clear();
+        return !wedged_;
     }
 
     void destroy() {
-        close();
+        close(kDestroyJoinS);
         if (!engine_) return;
         final_stats_ = engine_->stats();
         final_nics_ = engine_->nic_traffic();
+        if (wedged_) {
+            (void)engine_.release();  // leaked on purpose: a thread may return into it (close())
+            return;
+        }
         py::gil_scoped_release release;
         final_peers_ = engine_->peer_traffic();
         engine_.reset();
     }
+
+    bool wedged() const { return wedged_; }
 
   protected:
     Engine<Domain>& engine() { return *engine_; }
@@ -491,6 +507,9 @@ class PyEngine {
     std::unordered_map<uint64_t, Registration<Mr>> regs_;
     uint64_t next_handle_ = 1;
     bool closed_ = false;
+    bool wedged_ = false;  // close() left a thread inside the provider: the engine is leaked
+    // destroy() without an earlier close(): how long it waits for the engine's threads
+    static constexpr double kDestroyJoinS = 10.0;
     EngineStats final_stats_;  // what stats() reports once the engine is destroyed
     std::vector<NicTrafficView> final_nics_;    // and nic_stats()
     std::vector<PeerTrafficView> final_peers_;  // and peer_stats()
@@ -537,7 +556,8 @@ void bind_engine(py::class_<Cls, Options...>& c) {
         .def("probe_peer", &Cls::probe_peer, py::arg("address"))
         .def("fence", &Cls::fence, py::arg("addresses"), py::arg("timeout_s"))
         .def("cancel", &Cls::cancel, py::arg("id"))
-        .def("close", &Cls::close)
+        .def("close", &Cls::close, py::arg("join_timeout_s") = -1.0)
+        .def("wedged", &Cls::wedged)
         .def("destroy", &Cls::destroy);
 }
 
