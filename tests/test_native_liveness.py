@@ -8,9 +8,9 @@ not condemn the peer when a new wait begins; a peer that is really gone still fa
 within the probe timeout. Case 4: a submit posts from the caller's thread only when asked
 to (the Python binding asks only with the GIL released: a provider call can block, on shm
 for good if a peer died holding its queue lock). Case 5: a worker stuck inside such a call
-does not make ``close`` wait for ever: it returns false after its bound, the engine says it
-is wedged, and its completion side is released. (``nox -s sanitize`` runs it under
-ThreadSanitizer too.)
+makes neither ``dump``, a fence, a cancel nor ``close`` wait for ever: ``close`` returns
+false after its bound, the engine says it is wedged, and its completion side is released.
+(``nox -s sanitize`` runs it under ThreadSanitizer too.)
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ import sys
 import pytest
 
 from fabric_core import registry
-from fabric_core.errors import BackendUnavailable
+from fabric_core.errors import BackendUnavailable, TransportError
 from fabric_core.settings import load_settings
+from fabric_core.transfer import Transfer
 from fabric_efa import EfaBackend
 
 
@@ -240,8 +241,9 @@ def test_an_address_with_a_cuda_ipc_part_reaches_host_memory_from_an_engine_with
 def test_a_close_that_leaves_a_thread_in_the_provider_returns_and_says_so(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The Python side of a wedged close (the core's is proven on a fake NIC whose post never
-    returns: tests/test_native_liveness.py, case 5). The core is asked to wait for its threads
+    """The Python side of a wedged engine (the core's is proven on a fake NIC whose post never
+    returns: tests/test_native_liveness.py, case 5): a cancel the core cannot make is a typed
+    error. The core is asked to wait for its threads
     within what is left of close()'s timeout (at least 1 s), and when it reports a thread
     still inside the provider, close() returns anyway, the engine is closed, and the log says
     what was left behind."""
@@ -262,8 +264,15 @@ def test_a_close_that_leaves_a_thread_in_the_provider_returns_and_says_so(
             core.close(join_timeout_s)
             return False
 
+        def cancel(self, id: int, timeout_s: float = -1.0) -> tuple[bool, list[bytes]]:
+            raise RuntimeError("the engine's progress has been inside a provider call for 9 s")
+
     engine.register(np.zeros(4096, np.uint8))
     engine._core = StuckCore()  # type: ignore[attr-defined]
+    stuck = Transfer((0,))
+    with pytest.raises(TransportError, match="could not be cancelled") as info:
+        engine._backend_cancel(stuck, 0.1)  # type: ignore[attr-defined]
+    assert info.value.transfer_id == stuck.id
     with caplog.at_level(logging.ERROR, logger="fabric_core.native"):
         engine.close(timeout=3.0)
     assert engine.closed and len(asked) == 1 and 1.0 <= asked[0] <= 3.0

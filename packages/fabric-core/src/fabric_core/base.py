@@ -116,16 +116,16 @@ class EngineBase(TransferEngine):
     def _backend_send(self, peer: DomainAddress, payload: bytes, transfer: Transfer, timeout: float) -> None:
         """Send ``payload``; ``timeout`` as for ``_backend_post``."""
 
-    def _backend_cancel(self, transfer: Transfer) -> tuple[bool, list[bytes]]:
+    def _backend_cancel(self, transfer: Transfer, timeout: float) -> tuple[bool, list[bytes]]:
         """Stop ``transfer`` posting more work requests; whether it was running, and the peers
         it was writing to (``_cancel`` fences them unless the backend needs none: return no
-        peers then)."""
+        peers then). Within ``timeout``, or raise a ``TransportError`` having stopped nothing."""
         return False, []
 
     def _cancel(self, transfer: Transfer, timeout: float | None) -> bool:
         """``Transfer.cancel``: stop it, fail it with ``TransferCancelled``, fence its peers."""
         limit = self._deadline(timeout)
-        running, peers = self._backend_cancel(transfer)
+        running, peers = self._backend_cancel(transfer, limit)
         if not running:
             return False
         if transfer._resolve(TransferCancelled(f"transfer {transfer.id} cancelled", transfer_id=transfer.id)):

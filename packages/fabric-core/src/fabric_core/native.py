@@ -411,8 +411,14 @@ class NativeEngine(EngineBase):
         self._inflight[transfer.id] = transfer
         self._core.submit_send(transfer.id, peer.raw, self._header + payload, timeout)
 
-    def _backend_cancel(self, transfer: Transfer) -> tuple[bool, list[bytes]]:
-        running, peers = self._core.cancel(transfer.id)
+    def _backend_cancel(self, transfer: Transfer, timeout: float) -> tuple[bool, list[bytes]]:
+        try:
+            running, peers = self._core.cancel(transfer.id, timeout)
+        except RuntimeError as exc:  # the progress lock stayed taken: a wedged engine (see close)
+            raise TransportError(
+                f"transfer {transfer.id} could not be cancelled on {self._where}: {exc}",
+                transfer_id=transfer.id,
+            ) from None
         if running:
             self._inflight.pop(transfer.id, None)  # resolved by _cancel; C++'s own report is moot
         return running, peers

@@ -22,7 +22,8 @@
 //    GIL held through it no Python thread of the process ran, bounded waits included.
 // 5. A worker stuck inside the provider (a post that never returns, as on shm to a peer killed
 //    holding its queue lock): dump() says for how long instead of waiting for the progress
-//    lock, a fence gives up at its deadline; close(bound) returns false after the bound
+//    lock, a fence gives up at its deadline, a cancel raises at its bound having cancelled
+//    nothing; close(bound) returns false after the bound
 //    instead of waiting for ever, the engine reports itself wedged and its completion side is
 //    released; once the call returns at last, destroying the engine waits for the worker.
 #include <fabric/counters.hpp>
@@ -35,6 +36,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -217,6 +219,16 @@ void a_worker_stuck_in_the_provider() {
     std::vector<std::string> unfenced = p.b->fence({p.a->nic(0).address()}, 0.2);
     double fenced = since(t0);
     bool no_peers = p.b->peer_traffic().empty();
+    t0 = Clock::now();
+    bool refused = false;
+    try {
+        std::vector<std::string> peers;
+        p.b->cancel(p.next_id - 1, peers, 0.2);
+    } catch (const std::runtime_error&) {
+        refused = true;
+    }
+    double cancelled = since(t0);
+    CHECK(refused && cancelled < 1.0);
     std::printf("stuck worker: dump after %.3f s says stuck for %.3f s; fence gave up after %.3f s\n", dumped,
                 dump.progress_stuck_s, fenced);
     CHECK(dump.progress_stuck_s >= 0.3 && dump.requests.empty() && dumped < 1.0);

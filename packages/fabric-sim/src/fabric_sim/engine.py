@@ -143,7 +143,7 @@ class SimEngine(EngineBase):
     def _backend_send(self, peer: DomainAddress, payload: bytes, transfer: Transfer, timeout: float) -> None:
         self._fabric.post_message(self, peer, payload, transfer, timeout)
 
-    def _backend_cancel(self, transfer: Transfer) -> tuple[bool, list[bytes]]:
+    def _backend_cancel(self, transfer: Transfer, timeout: float) -> tuple[bool, list[bytes]]:
         with self._fabric._cv:
             xfer = next((x for x in self._inflight if x.transfer is transfer), None)
             if xfer is None or xfer.early:

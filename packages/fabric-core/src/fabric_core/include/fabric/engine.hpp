@@ -603,8 +603,18 @@ class Engine {
     // requests is posted (those posted are reaped as the provider reports them). Returns
     // whether it was still running, and the peers (NIC 0 addresses) it was writing to: the
     // caller fences them (fence()) to know that nothing of it can land any more. Any thread.
-    bool cancel(uint64_t id, std::vector<std::string>& peers) {
-        std::lock_guard<std::timed_mutex> lock(progress_mu_);
+    // Waits for the progress lock at most ``timeout_s`` (negative: for ever), then throws
+    // std::runtime_error having cancelled nothing: a worker holding it that long is stuck
+    // inside the provider (wedged, see close()).
+    bool cancel(uint64_t id, std::vector<std::string>& peers, double timeout_s = -1.0) {
+        std::unique_lock<std::timed_mutex> lock(progress_mu_, std::defer_lock);
+        if (timeout_s < 0) {
+            lock.lock();
+        } else if (!lock.try_lock_for(to_duration(std::min(timeout_s, 1e6)))) {
+            throw std::runtime_error("the engine's progress has been inside a provider call for " +
+                                     std::to_string(stuck_for()).substr(0, 6) +
+                                     " s (a wedged engine); nothing was cancelled");
+        }
         now_ = Clock::now();
         intake();  // it may still be in the submission queue
         auto it = live_.find(id);

@@ -310,13 +310,14 @@ class PyEngine {
     }
 
     // See Engine::cancel: (whether it was running, the peers it was writing to).
-    std::pair<bool, std::vector<py::bytes>> cancel(uint64_t id) {
+    // Throws RuntimeError if the engine's progress lock stays taken ``timeout_s`` (wedged).
+    std::pair<bool, std::vector<py::bytes>> cancel(uint64_t id, double timeout_s) {
         if (!engine_ || closed_) return {false, {}};
         std::vector<std::string> peers;
         bool running;
         {
             py::gil_scoped_release release;
-            running = engine_->cancel(id, peers);
+            running = engine_->cancel(id, peers, timeout_s);
         }
         return {running, std::vector<py::bytes>(peers.begin(), peers.end())};
     }
@@ -555,7 +556,7 @@ void bind_engine(py::class_<Cls, Options...>& c) {
         .def("dump_state", &Cls::dump_state)
         .def("probe_peer", &Cls::probe_peer, py::arg("address"))
         .def("fence", &Cls::fence, py::arg("addresses"), py::arg("timeout_s"))
-        .def("cancel", &Cls::cancel, py::arg("id"))
+        .def("cancel", &Cls::cancel, py::arg("id"), py::arg("timeout_s") = -1.0)
         .def("close", &Cls::close, py::arg("join_timeout_s") = -1.0)
         .def("wedged", &Cls::wedged)
         .def("destroy", &Cls::destroy);
