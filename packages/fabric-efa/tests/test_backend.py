@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -278,3 +279,56 @@ def test_a_close_that_leaves_a_thread_in_the_provider_returns_and_says_so(
     assert engine.closed and len(asked) == 1 and 1.0 <= asked[0] <= 3.0
     assert any("stuck inside the provider" in r.getMessage() for r in caplog.records)
     assert core.close(0.1) is True and core.wedged() is False  # the real core left cleanly
+
+
+@pytest.mark.parametrize("provider", ["shm", "tcp;ofi_rxm"])
+def test_closing_an_engine_while_other_threads_submit_to_it(provider: str) -> None:
+    """``close()`` from one thread while two others submit small WriteImms (a submit that finds
+    the worker napping posts from its own thread with the GIL released, so another thread
+    can close and destroy the engine meanwhile: destroy() waits until no submit is inside
+    it). Every submit goes through or raises ``EngineClosed``, every transfer ends, nothing
+    crashes, over ten rounds with the close at a different moment each time."""
+    import threading
+    import time
+
+    import numpy as np
+
+    from fabric_core.errors import EngineClosed
+
+    def submit(engine: Any, src: Any, desc: Any, stop: threading.Event, out: list[Any]) -> None:
+        while not stop.is_set():
+            try:
+                out.append(engine.submit_write(src, 0, 8, desc, 0, imm=1))
+            except EngineClosed:
+                return
+            except BaseException as exc:
+                out.append(exc)  # reported below
+                return
+            if len(out) % 16 == 0:
+                time.sleep(0.0002)  # let the worker nap now and then: inline posts
+
+    for round_ in range(10):
+        a = registry.open_engine("efa", efa_provider=provider)
+        b = registry.open_engine("efa", efa_provider=provider)
+        try:
+            src = a.register(np.arange(64, dtype=np.uint8))
+            desc = b.register(np.zeros(64, np.uint8)).descriptor
+            stop = threading.Event()
+            outs: list[list[Any]] = [[], []]
+            threads = [threading.Thread(target=submit, args=(a, src, desc, stop, out)) for out in outs]
+            for t in threads:
+                t.start()
+            time.sleep(0.005 * (round_ + 1))
+            a.close(timeout=2.0)
+            stop.set()
+            for t in threads:
+                t.join(10)
+            assert not any(t.is_alive() for t in threads)
+            got = [x for out in outs for x in out]
+            assert not [x for x in got if isinstance(x, BaseException)]
+            for transfer in got:  # each ended: done, or failed because the engine closed
+                failed = transfer.exception(5)
+                assert failed is None or isinstance(failed, EngineClosed), failed
+        finally:
+            a.close()
+            b.close()

@@ -19,12 +19,15 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <unordered_map>
 #include <vector>
@@ -421,6 +424,15 @@ class PyEngine {
     void destroy() {
         close(kDestroyJoinS);
         if (!engine_) return;
+        {
+            // a submit that released the GIL (submit_outside_gil) may still be inside the
+            // engine; one that stays there is inside the provider: the engine is wedged
+            py::gil_scoped_release release;
+            auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(kDestroyJoinS);
+            while (submitting_.load(std::memory_order_seq_cst) > 0 && std::chrono::steady_clock::now() < deadline)
+                std::this_thread::sleep_for(std::chrono::microseconds(100));
+            if (submitting_.load(std::memory_order_seq_cst) > 0) wedged_ = true;
+        }
         final_stats_ = engine_->stats();
         final_nics_ = engine_->nic_traffic();
         if (wedged_) {
@@ -474,10 +486,14 @@ class PyEngine {
     // shm, spin on a peer's lock; forever if the peer died holding it), and the GIL held
     // through it stopped every Python thread of the process, bounded waits included. The
     // push alone is O(1) and lock-free: releasing the GIL for it costs more than it does.
+    // While the GIL is released another thread may close and destroy this engine: destroy()
+    // waits until no submit is inside the engine (``submitting_``) before freeing it.
     void submit_outside_gil(std::unique_ptr<Request> req) {
         if (engine_->would_post_inline(req->ops.size())) {
+            submitting_.fetch_add(1, std::memory_order_seq_cst);
             py::gil_scoped_release release;
             engine_->submit(std::move(req));
+            submitting_.fetch_sub(1, std::memory_order_seq_cst);
         } else {
             engine_->submit(std::move(req), /*inline_ok=*/false);
         }
@@ -509,6 +525,7 @@ class PyEngine {
     uint64_t next_handle_ = 1;
     bool closed_ = false;
     bool wedged_ = false;  // close() left a thread inside the provider: the engine is leaked
+    std::atomic<int> submitting_{0};  // submits inside the engine with the GIL released
     // destroy() without an earlier close(): how long it waits for the engine's threads
     static constexpr double kDestroyJoinS = 10.0;
     EngineStats final_stats_;  // what stats() reports once the engine is destroyed
