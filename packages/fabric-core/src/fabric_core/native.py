@@ -79,7 +79,13 @@ _STATUS: dict[int, type[TransportError]] = {
 }
 _CLOSED = 4
 _DRAIN_S = 0.002  # how long a waiter drains completions itself before sleeping on its event
-_JOIN_MIN_S = 1.0  # close() waits at least this long for the engine's threads (else its timeout)
+_JOIN_MIN_S = 10.0
+"""close() waits at least this long for the engine's threads (else what is left of its timeout):
+a thread still inside the provider after it is stuck there. Generous: a false alarm leaks the
+engine, and a worker on a loaded host can take a second to leave."""
+_WEDGED: list[object] = []
+"""Wedged engines' cores and registered regions, kept alive for good: the provider may still
+use them (see ``_backend_stop``)."""
 _completers = itertools.count(1)
 
 
@@ -460,10 +466,14 @@ class NativeEngine(EngineBase):
         # a post to a peer killed holding its queue lock never returns) is left behind after
         # the bound, and the engine with it: close() still returns, and the process can exit.
         if not self._core.close(max(_JOIN_MIN_S, deadline - time.monotonic())):
+            # its registrations stay open at the provider: their memory must never be freed
+            # (a late write would land in whatever took its place), so the regions are kept
+            _WEDGED.append((self._core, [reg.region for reg in self._regs.values()]))
             logger.error(
                 "fabric: closing the engine on %s: a thread is stuck inside the provider (a "
                 "peer killed while holding a lock it shares, on shm); the engine's endpoints "
-                "and registrations are left as they are (leaked) and its transfers fail",
+                "and registrations are left as they are, their memory kept (leaked), and its "
+                "transfers fail",
                 self._where,
             )
         self._stop = True

@@ -360,6 +360,9 @@ class CounterTable {
 
     // One progress step through the hook, if one is installed; whether it did any work.
     bool step() {
+        // off: not counted either, so set_progress sees in_hook_ drain at once however many
+        // waiters spin (a waiter between the two loads below is counted, and re-checks)
+        if (!hook_on_.load(std::memory_order_seq_cst)) return false;
         in_hook_.fetch_add(1, std::memory_order_seq_cst);
         bool out = hook_on_.load(std::memory_order_seq_cst) && hook_();
         in_hook_.fetch_sub(1, std::memory_order_seq_cst);
