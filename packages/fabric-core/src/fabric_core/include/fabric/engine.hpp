@@ -684,7 +684,11 @@ class Engine {
             std::this_thread::sleep_for(std::chrono::microseconds(50));
         }
         std::unique_lock<std::timed_mutex> lock(progress_mu_, std::defer_lock);
-        if (stuck && !lock.try_lock_for(kDiagnosticWait)) return left;  // wedged: its entry stays
+        if (stuck && !lock.try_lock_for(kDiagnosticWait)) {  // the worker drops its entry at its next tick
+            std::lock_guard<std::mutex> dropped(dropped_mu_);
+            dropped_fences_.push_back(nonce);
+            return left;
+        }
         if (!lock.owns_lock()) lock.lock();
         fences_.erase(std::remove_if(fences_.begin(), fences_.end(), [&](const Fence& f) { return f.nonce == nonce; }),
                       fences_.end());
@@ -1992,6 +1996,14 @@ class Engine {
     // Every kTick: deadlines, and the liveness of the peers that work depends on.
     void tick() {
         last_tick_ = now_;
+        {
+            std::lock_guard<std::mutex> dropped(dropped_mu_);  // fences given up without the progress lock
+            for (uint64_t nonce : dropped_fences_)
+                fences_.erase(std::remove_if(fences_.begin(), fences_.end(),
+                                             [nonce](const Fence& f) { return f.nonce == nonce; }),
+                              fences_.end());
+            dropped_fences_.clear();
+        }
         if (!outbox_.empty()) flush_outbox();
         if (nics_.size() > 1) nic_loss_tick();
         // fence() probes: sent, and sent again every kFenceRetry until answered (a connection
@@ -2273,6 +2285,8 @@ class Engine {
         return op.state != OpCtx::kPosted || op.posts != w.posts;
     }
     std::vector<Fence> fences_;  // fence() probes awaiting an answer
+    std::mutex dropped_mu_;
+    std::vector<uint64_t> dropped_fences_;  // fence() nonces given up while the lock was held (under dropped_mu_)
     static constexpr auto kFenceRetry = std::chrono::milliseconds(100);
     uint64_t fence_nonce_ = 1;
     std::mutex touch_mu_;
