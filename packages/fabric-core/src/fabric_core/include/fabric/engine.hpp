@@ -577,8 +577,8 @@ class Engine {
         return out;
     }
 
-    // Per peer written to (by its NIC 0 address). Takes the progress lock (briefly).
-    // Per-peer traffic; empty if the progress lock stays taken (a wedged worker: see dump()).
+    // Per peer written to (by its NIC 0 address). Takes the progress lock (briefly); empty if
+    // it stays taken (a wedged worker: see dump()).
     std::vector<PeerTrafficView> peer_traffic() {
         std::unique_lock<std::timed_mutex> lock(progress_mu_, std::defer_lock);
         std::vector<PeerTrafficView> out;
