@@ -45,6 +45,7 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("3", "gone: wait 3 after"),
         ("4", "posted inline yes; with inline_ok=false by the worker yes"),
         ("5", "close returned false after 0.2"),
+        ("6", "0 loss(es) reported"),
     ],
 )
 def test_liveness_probes_answer_late_and_fail_only_the_gone(program: Path, case: str, says: str) -> None:

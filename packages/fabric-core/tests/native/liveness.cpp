@@ -26,6 +26,10 @@
 //    nothing; close(bound) returns false after the bound
 //    instead of waiting for ever, the engine reports itself wedged and its completion side is
 //    released; once the call returns at last, destroying the engine waits for the worker.
+// 6. A wait naming A itself (a loopback count, as an MoE rank's own tokens) while A's sends
+//    are all refused: A never probes itself, so the wait ends at its deadline, not as a lost
+//    peer. Before, A's refused probe to itself failed the wait, naming A, after the probe
+//    timeout (seen on shm: the rank whose peer died reported itself gone).
 #include <fabric/counters.hpp>
 #include <fabric/engine.hpp>
 
@@ -117,10 +121,10 @@ struct Pair {
 
     // A waits (up to ``limit`` s) for one count of ``imm``, naming B; B writes it after
     // ``after`` s (never if negative). Returns the wait's outcome and how long it took.
-    std::pair<int, double> wait(uint32_t imm, double after, double limit) {
+    std::pair<int, double> wait(uint32_t imm, double after, double limit, const std::string* peer = nullptr) {
         auto w = std::make_shared<CounterTable::Waiter>();
         w->n = 1;
-        w->peer = b_address;
+        w->peer = peer != nullptr ? *peer : b_address;
         auto t0 = Clock::now();
         std::thread writer;
         if (after >= 0) {
@@ -248,15 +252,25 @@ void a_worker_stuck_in_the_provider() {
     p.b.reset();                     // ~Engine waits for the worker to leave
 }
 
+void a_wait_naming_this_engine() {
+    Pair p;
+    p.a->nic(0).refuse_sends = 1 << 30;  // nothing A sends gets out, a probe to itself included
+    const std::string self = p.a->nic(0).address();
+    auto [rc, took] = p.wait(12, -1.0, 4 * kTimeout, &self);
+    std::printf("self: wait %d after %.3f s, %d loss(es) reported\n", rc, took, p.lost.load());
+    CHECK(rc == fabric::kCountQueued && p.lost == 0 && took >= 4 * kTimeout);  // still waiting at its deadline
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-    std::string only = argc > 1 ? argv[1] : "";  // "1" to "5": that case alone
+    std::string only = argc > 1 ? argv[1] : "";  // "1" to "6": that case alone
     if (only.empty() || only == "1") answers_refused_for_a_while();
     if (only.empty() || only == "2") a_probe_left_over_from_an_earlier_wait();
     if (only.empty() || only == "3") a_peer_that_is_gone();
     if (only.empty() || only == "4") where_a_submit_posts();
     if (only.empty() || only == "5") a_worker_stuck_in_the_provider();
+    if (only.empty() || only == "6") a_wait_naming_this_engine();
     std::printf("liveness: ok\n");
     return 0;
 }

@@ -2058,6 +2058,13 @@ class Engine {
         for (auto& [addr, p] : peer_state_) {
             if (!p.wanted && !p.touched) continue;
             p.wanted = false;
+            // This engine itself (a loopback wait names it): alive while it runs this. A probe
+            // to itself says nothing, and one the provider kept refusing (on shm, after a peer
+            // died mid-write) failed the engine's own loopback waits as a lost peer.
+            if (addr == self_address_) {
+                p.touched = false;
+                continue;
+            }
             // A probe left over from an earlier need (nothing depended on the peer for a while,
             // so nothing watched for its answer) says nothing of the peer now: start afresh.
             // Before, a wait that began long after an unanswered probe found the peer lost at
