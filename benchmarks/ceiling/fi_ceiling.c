@@ -22,6 +22,11 @@
  * runs from the first initiator's start to the last target's count of its imms (one
  * CLOCK_MONOTONIC for all): the aggregate bandwidth of that fan, whose receivers, on shm, are
  * the processes that copy. -b and -d as for a pair. Implies -l 0.
+ *
+ * With -N NICE the initiators run at that nice value (the targets at the caller's): on one
+ * host over shm the targets do the copies, and initiators spinning in the provider on a
+ * target's queue lock take CPU the copies need; senders and receivers on separate hosts do
+ * not compete. `fabric bench rl --sender-nice` runs its trainers at the same value.
  * Output: one JSON object per line on stdout.
  */
 #define _GNU_SOURCE
@@ -31,6 +36,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -262,8 +268,18 @@ struct report {
     long count;
 };
 
+static int initiator_nice = 0; /* -N */
+
+static void be_initiator(void) {
+    if (initiator_nice && setpriority(PRIO_PROCESS, 0, initiator_nice)) {
+        perror("setpriority");
+        exit(2);
+    }
+}
+
 static void fan_child(int fd, const char *prov, size_t buflen, int initiator, int me, int T, int I, int window) {
     struct node n = {0};
+    if (initiator) be_initiator();
     node_open(&n, prov, buflen);
     struct peer_info mine = node_info(&n);
     xfer(fd, &mine, sizeof(mine), 1);
@@ -367,8 +383,8 @@ static int run_fan(const char *prov, const char *sizes, int T, int I, int window
         double bytes = (double)size * (double)count * (double)T;
         printf("{\"kind\": \"fan_bandwidth\", \"provider\": \"%s\", \"initiators\": %d, \"targets\": %d, \"size\": %zu, "
                "\"span\": %zu, \"window\": %d, \"writes_per_initiator\": %ld, \"reps\": %d, \"seconds_median\": %.6f, "
-               "\"gbytes_per_s\": %.4f, \"t_start\": %.6f, \"t_end\": %.6f}\n",
-               prov, T, I, size, span, window, count, k, t, bytes / t / 1e9, first_start, last_end);
+               "\"gbytes_per_s\": %.4f, \"t_start\": %.6f, \"t_end\": %.6f, \"initiator_nice\": %d}\n",
+               prov, T, I, size, span, window, count, k, t, bytes / t / 1e9, first_start, last_end, initiator_nice);
         fflush(stdout);
     }
     struct cmd quit = {CMD_QUIT, 0, 0};
@@ -391,7 +407,7 @@ int main(int argc, char **argv) {
     int window = 64, reps = 5, ping_iters = 20000, fan_t = 0, fan_i = 0;
     size_t per_bytes = 0; /* -n; 0: about 1 GiB per repetition (a pair), 256 MiB per initiator (a fan) */
     int opt;
-    while ((opt = getopt(argc, argv, "p:s:w:r:l:db:f:n:")) != -1) {
+    while ((opt = getopt(argc, argv, "p:s:w:r:l:db:f:n:N:")) != -1) {
         switch (opt) {
         case 'p': prov = optarg; break;
         case 'd': delivery_complete = 1; break;
@@ -407,10 +423,17 @@ int main(int argc, char **argv) {
             }
             break;
         case 'n': per_bytes = strtoull(optarg, NULL, 10); break;
+        case 'N':
+            initiator_nice = atoi(optarg);
+            if (initiator_nice < 0 || initiator_nice > 19) {
+                fprintf(stderr, "-N wants a nice value from 0 to 19\n");
+                return 1;
+            }
+            break;
         default:
             fprintf(stderr,
-                    "usage: %s [-p provider] [-s sizes] [-w window] [-r reps] [-l pingpong iters] [-d] [-b span] [-n bytes per rep]\n"
-                    "       %s -f INITIATORS:TARGETS [-n bytes per initiator] [-p provider] [-s sizes] [-w window] [-r reps] [-b span]\n",
+                    "usage: %s [-p provider] [-s sizes] [-w window] [-r reps] [-l pingpong iters] [-d] [-b span] [-n bytes per rep] [-N nice]\n"
+                    "       %s -f INITIATORS:TARGETS [-n bytes per initiator] [-p provider] [-s sizes] [-w window] [-r reps] [-b span] [-N nice]\n",
                     argv[0], argv[0]);
             return 1;
         }
@@ -435,6 +458,7 @@ int main(int argc, char **argv) {
         return 0;
     }
     close(sv[1]);
+    be_initiator(); /* after the fork: the target keeps the caller's nice */
     int fd = sv[0];
     node_open(&n, prov, maxsize);
     node_connect(&n, fd);

@@ -92,6 +92,9 @@ def test_the_pattern_finds_a_wrong_byte() -> None:
         ({"cast": "int8"}, "cast"),
         ({"model_bytes": 10}, "model_bytes"),
         ({"timeout": 0.0}, "timeout"),
+        ({"sender_nice": 20}, "sender_nice"),
+        ({"sender_nice": -1}, "sender_nice"),
+        ({"sender_nice": 5}, "threads"),  # the simulator's ranks are threads of this process
         ({"source": mixed_fleets(2, 2)[0]}, "both"),
         ({"trainers": 3, "source": mixed_fleets(2, 2)[0], "destination": mixed_fleets(2, 2)[1]}, "ranks"),
     ],

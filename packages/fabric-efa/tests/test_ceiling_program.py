@@ -66,6 +66,18 @@ def test_bad_fan_shapes_are_refused(program: Path) -> None:
     for shape in ("0:2", "2", "3:-1"):
         done = subprocess.run([str(program), "-f", shape], capture_output=True, text=True, timeout=30)
         assert done.returncode == 1 and "INITIATORS:TARGETS" in done.stderr
+    for nice in ("-1", "20"):
+        done = subprocess.run(
+            [str(program), "-N", nice, "-f", "2:1"], capture_output=True, text=True, timeout=30
+        )
+        assert done.returncode == 1 and "nice value from 0 to 19" in done.stderr
+
+
+def test_a_fan_runs_its_initiators_at_the_nice_value_asked_for(program: Path) -> None:
+    """(``fabric bench rl --sender-nice`` runs the trainers and these writers alike.) A
+    writer that could not be reniced exits non-zero: a row means it ran at that value."""
+    rows = _rows(program, "-N", "3", "-f", "2:1", "-n", str(4 * 65536), "-s", "65536", "-r", "1")
+    assert [(r["kind"], r["initiator_nice"]) for r in rows] == [("fan_bandwidth", 3)]
 
 
 def test_fabric_bench_rl_takes_its_bound_from_the_fan_of_its_own_shape(program: Path) -> None:

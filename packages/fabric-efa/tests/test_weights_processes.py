@@ -97,9 +97,11 @@ def test_the_synthetic_model_across_processes_with_a_cast(monkeypatch: pytest.Mo
         warmup=1,
         staging_bytes=1 << 20,
         timeout=60.0,
+        sender_nice=2,  # the trainers at nice 2 (the receivers, doing the copies, at ours)
     )
     result = run_rl_bench(spec)
     doc = result.to_json()
     assert doc["checked_steps"] == 3 and doc["plan"]["staged_bytes"] > 0
+    assert doc["measured"]["nice_per_source"] == [2, 2, 2, 2]
     assert doc["staging"]["high_water"] <= 1 << 20
     assert doc["measured"]["bytes_per_destination"] == doc["plan"]["bytes_per_destination"]

@@ -145,6 +145,14 @@ def _plot(result: Any, path: Path) -> None:
     help="A built benchmarks/ceiling/fi_ceiling: run it in the same run (the bound).",
 )
 @click.option("--ceiling-provider", default="shm", show_default=True, help="Provider the ceiling runs on.")
+@click.option(
+    "--sender-nice",
+    type=click.IntRange(0, 19),
+    default=0,
+    show_default=True,
+    help="Run the trainers, and the ceiling's writers alike, at this nice value (on one host, "
+    "the shm receivers' copies then get the CPU the senders would spin on).",
+)
 @click.option("--explain", is_flag=True, help="Print the plan and exit (nothing is sent).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(
@@ -170,6 +178,7 @@ def bench_rl(
     nics: int | None,
     ceiling: str | None,
     ceiling_provider: str,
+    sender_nice: int,
     explain: bool,
     seed: int,
     timeout: float,
@@ -206,6 +215,7 @@ def bench_rl(
             timeout=timeout,
             ceiling=ceiling,
             ceiling_provider=ceiling_provider,
+            sender_nice=sender_nice,
             engine_options={} if nics is None else {"nics": nics},
         )
     except ConfigError as exc:
