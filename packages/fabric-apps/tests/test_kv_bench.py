@@ -155,7 +155,7 @@ def test_cli_kv_on_the_simulator_reports_both_phases_and_writes_json_and_plot(tm
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--model", "gpt"], "unknown model 'gpt'"),
+        (["--model", "gpt"], "unknown model 'gpt' (known: llama70b, deepseek-v3)"),
         (["--model", ","], "name at least one model"),
         (["--prefills", "1"], "kill_prefill needs at least 2 prefill"),
         (["--max-tokens", "4096"], "raise prefill_blocks"),

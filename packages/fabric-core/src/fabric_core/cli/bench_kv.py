@@ -25,7 +25,7 @@ def _models(text: str) -> list[str]:
     bad = [n for n in names if n not in _MODELS]
     if bad or not names:
         raise click.BadParameter(
-            f"unknown model {bad[0]!r}" if bad else "name at least one model",
+            f"unknown model {bad[0]!r} (known: {', '.join(_MODELS)})" if bad else "name at least one model",
             param_hint="'--model'",
         )
     return names
@@ -139,7 +139,7 @@ def _plot(results: list[Any], path: Path) -> None:
     "models",
     default="llama70b,deepseek-v3",
     show_default=True,
-    help="llama70b, deepseek-v3, or both.",
+    help="llama70b, deepseek-v3, or both, comma-separated (each runs in turn).",
 )
 @click.option(
     "--prefills", type=click.IntRange(1, 16), default=2, show_default=True, help="Prefill instances."
