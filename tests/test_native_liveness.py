@@ -46,6 +46,7 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("4", "posted inline yes; with inline_ok=false by the worker yes"),
         ("5", "close returned false after 0.2"),
         ("6", "0 loss(es) reported"),
+        ("7", "switches between A and C"),
     ],
 )
 def test_liveness_probes_answer_late_and_fail_only_the_gone(program: Path, case: str, says: str) -> None:

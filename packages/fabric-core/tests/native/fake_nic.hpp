@@ -82,6 +82,14 @@ class FakeNic {
         }
         std::string to = peer_address(w.peer);
         if (to.empty()) return -EHOSTUNREACH;
+        for (int c = write_credits.load(); c >= 0;) {  // a provider queue with room for ``c`` more
+            if (c == 0) return -EAGAIN;
+            if (write_credits.compare_exchange_weak(c, c - 1)) break;
+        }
+        if (record_writes.load()) {
+            std::lock_guard<std::mutex> lock(mu_);
+            accepted_to_.push_back(to);
+        }
         bool landed = false, access = false;
         {
             std::lock_guard<std::mutex> reg(fabric_.mu);
@@ -239,6 +247,7 @@ class FakeNic {
     const std::string address_;
     std::mutex mu_;
     std::vector<std::string> peers_;
+    std::vector<std::string> accepted_to_;  // under mu_
     std::vector<Region> regions_;
     std::deque<Event> events_;
     std::deque<Recv> recvs_;
@@ -249,11 +258,19 @@ class FakeNic {
     std::atomic<int> refuse_sends{0};  // the next N sends answer -EAGAIN
     std::thread::id last_poster;        // the thread of the last post_write (under mu_)
     std::atomic<bool> hang_posts{false};  // while set, post_write does not return
+    std::atomic<int> write_credits{-1};   // >= 0: post_write takes one, none left: -EAGAIN
+    std::atomic<bool> record_writes{false};  // while set, accepted_to() lists where writes went
     std::atomic<int> hanging{0};          // threads inside such a post_write
 
     std::thread::id poster() {
         std::lock_guard<std::mutex> lock(mu_);
         return last_poster;
+    }
+
+    // The peer addresses of the writes posted while record_writes was set, in order.
+    std::vector<std::string> accepted_to() {
+        std::lock_guard<std::mutex> lock(mu_);
+        return accepted_to_;
     }
 };
 
