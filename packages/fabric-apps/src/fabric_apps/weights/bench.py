@@ -282,13 +282,15 @@ def _sync(store: Any, step: int, timeout: float) -> None:
     store.wait([_key("go", step)], timedelta(seconds=timeout))
 
 
-def _all_ranks_at(store: Any, key: str, ranks: int, timeout: float) -> None:
-    """Count this rank in at ``key`` and wait until ``ranks`` ranks are."""
+def _wait_count(store: Any, key: str, ranks: int, timeout: float, late: str, alive: Any = None) -> None:
+    """Wait until the Store counter ``key`` reaches ``ranks`` (``alive()`` between polls);
+    ``RlBenchError`` saying ``late`` after ``timeout`` s."""
     deadline = time.monotonic() + timeout
-    store.add(key, 1)
     while store.add(key, 0) < ranks:
         if time.monotonic() > deadline:
-            raise RlBenchError(f"not every rank reached {key!r} within {timeout} s")
+            raise RlBenchError(f"{late} within {timeout} s")
+        if alive is not None:
+            alive()
         time.sleep(0.001)
 
 
@@ -330,7 +332,7 @@ def _source_body(rank: int, spec: RlBenchSpec, engine: Any, store: Any) -> dict[
         "staging_high_water": high,
         "staging_capacity": sender.staging.capacity if sender.staging is not None else 0,
         "nic_bytes_written": _per_nic(engine, "bytes_written"),
-        "nice": os.getpriority(os.PRIO_PROCESS, 0) if spec.backend != "sim" else 0,
+        "nice": os.getpriority(os.PRIO_PROCESS, 0),
         "plan": sender.plan.to_bytes() if rank == 0 else None,
     }
 
@@ -355,7 +357,9 @@ def _destination_body(rank: int, spec: RlBenchSpec, engine: Any, store: Any) -> 
             ends.append(time.monotonic())
             # The check reads every byte: begun while another rank still takes the step, it
             # would take that rank's CPU and memory bandwidth and time the check, not the step
-            _all_ranks_at(store, _key("landed", step), spec.inference, spec.timeout)
+            store.add(_key("landed", step), 1)
+            late = f"step {step}: not every inference rank had fenced"
+            _wait_count(store, _key("landed", step), spec.inference, spec.timeout, late)
             problem = contents.mismatch(rank, views)
             if problem is not None:
                 raise RlBenchError(f"step {step}: {problem}")
@@ -375,13 +379,8 @@ def _coordinate(store: Any, spec: RlBenchSpec, alive: Any = None) -> None:
     ranks = spec.trainers + spec.inference
     for step in range(spec.warmup + spec.steps):
         for what in ("ready", "done"):
-            deadline = time.monotonic() + spec.timeout
-            while store.add(_key(what, step), 0) < ranks:
-                if time.monotonic() > deadline:
-                    raise RlBenchError(f"step {step}: not every rank was {what} within {spec.timeout} s")
-                if alive is not None:
-                    alive()
-                time.sleep(0.001)
+            late = f"step {step}: not every rank was {what}"
+            _wait_count(store, _key(what, step), ranks, spec.timeout, late, alive)
             if what == "ready":
                 store.set(_key("go", step), "1")
 
@@ -731,7 +730,7 @@ class RlBenchResult:
                 "nic_bytes_written_per_source": [s["nic_bytes_written"] for s in self.sources],
                 "nic_imms_per_destination": [d["nic_imms"] for d in self.destinations],
                 "writes_per_source": [s["writes"] for s in self.sources],
-                "nice_per_source": [s.get("nice", 0) for s in self.sources],
+                "nice_per_source": [s["nice"] for s in self.sources],
                 "bytes_per_destination": [d["bytes"] for d in self.destinations],
             },
         }
