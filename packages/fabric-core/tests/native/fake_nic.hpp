@@ -83,7 +83,15 @@ class FakeNic {
         std::string to = peer_address(w.peer);
         if (to.empty()) return -EHOSTUNREACH;
         for (int c = write_credits.load(); c >= 0;) {  // a provider queue with room for ``c`` more
-            if (c == 0) return -EAGAIN;
+            if (c == 0) {  // full; with refill_every, the post after that many refusals is taken
+                int every = refill_every.load();
+                if (every > 0 && refused_.load() >= every) {
+                    refused_ = 0;
+                    break;
+                }
+                refused_++;
+                return -EAGAIN;
+            }
             if (write_credits.compare_exchange_weak(c, c - 1)) break;
         }
         if (record_writes.load()) {
@@ -259,6 +267,8 @@ class FakeNic {
     std::thread::id last_poster;        // the thread of the last post_write (under mu_)
     std::atomic<bool> hang_posts{false};  // while set, post_write does not return
     std::atomic<int> write_credits{-1};   // >= 0: post_write takes one, none left: -EAGAIN
+    std::atomic<int> refill_every{0};     // with no credits left: every post after this many refusals is taken
+    std::atomic<int> refused_{0};
     std::atomic<bool> record_writes{false};  // while set, accepted_to() lists where writes went
     std::atomic<int> hanging{0};          // threads inside such a post_write
 
