@@ -36,7 +36,9 @@ class EfaEngine : public fabric::PyEngine<Domain> {
               size_t max_send, const std::vector<std::string>& sources, bool hmem, int ipc_device)
         : PyEngine(open(provider, nics, sources, hmem, ipc_device), chaos_seed, cpu, recv_depth, max_send),
           info_(engine().nic(0).info()),
-          cuda_ipc_(engine().nic(0).cuda_ipc()) {}
+          cuda_ipc_(engine().nic(0).cuda_ipc()),
+          kernel_off_(engine().nic(0).copy_kernel_off()),
+          inbox_off_(engine().nic(0).inbox_off()) {}
 
     py::dict provider_info() const {
         py::dict d;
@@ -50,6 +52,10 @@ class EfaEngine : public fabric::PyEngine<Domain> {
         d["tx_size"] = info_.max_tx;
         d["hmem"] = info_.hmem;
         d["cuda_ipc"] = cuda_ipc_;
+        // why small CUDA IPC copies are not batched into kernel launches, or why imms take the
+        // provider rather than the inbox ("" where they are, or where there is no CUDA IPC)
+        d["cuda_copy_kernel_off"] = kernel_off_;
+        d["cuda_inbox_off"] = inbox_off_;
         return d;
     }
 
@@ -75,6 +81,7 @@ class EfaEngine : public fabric::PyEngine<Domain> {
 
     fabric::efa::ProviderInfo info_;
     bool cuda_ipc_;
+    std::string kernel_off_, inbox_off_;
 };
 
 // Cheap check: can fi_getinfo find an RDM endpoint with RMA and remote CQ data here?

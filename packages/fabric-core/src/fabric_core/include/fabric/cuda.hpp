@@ -22,6 +22,8 @@ using CUdeviceptr = unsigned long long;
 using CUcontext = void*;
 using CUstream = void*;
 using CUevent = void*;
+using CUmodule = void*;
+using CUfunction = void*;
 struct IpcMemHandle {  // CUipcMemHandle
     char reserved[64];
 };
@@ -62,6 +64,17 @@ struct Driver {
     CUresult (*ipc_get_mem_handle)(IpcMemHandle*, CUdeviceptr) = nullptr;
     CUresult (*ipc_open_mem_handle)(CUdeviceptr*, IpcMemHandle, unsigned) = nullptr;
     CUresult (*ipc_close_mem_handle)(CUdeviceptr) = nullptr;
+    // The copy-list kernel's (fabric/cuda_copy_kernel.hpp; all null where any is missing:
+    // kernels() is false and every copy is a cuMemcpy of its own).
+    CUresult (*module_load_data)(CUmodule*, const void*) = nullptr;
+    CUresult (*module_unload)(CUmodule) = nullptr;
+    CUresult (*module_get_function)(CUfunction*, CUmodule, const char*) = nullptr;
+    CUresult (*launch_kernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                              CUstream, void**, void**) = nullptr;
+    CUresult (*mem_alloc)(CUdeviceptr*, size_t) = nullptr;
+    CUresult (*mem_free)(CUdeviceptr) = nullptr;
+    CUresult (*mem_alloc_host)(void**, size_t) = nullptr;
+    CUresult (*mem_free_host)(void*) = nullptr;
 
     static const Driver& get() {
         static Driver d = load();
@@ -73,6 +86,11 @@ struct Driver {
                primary_ctx_release && ctx_get_current && ctx_push && ctx_pop && stream_create && stream_destroy &&
                stream_synchronize && event_create && event_record && event_query && event_destroy && memcpy_async &&
                ipc_get_mem_handle && ipc_open_mem_handle && ipc_close_mem_handle;
+    }
+
+    bool kernels() const {
+        return module_load_data && module_unload && module_get_function && launch_kernel && mem_alloc && mem_free &&
+               mem_alloc_host && mem_free_host && memcpy_htod_async;
     }
 
     std::string error(CUresult rc) const {
@@ -114,6 +132,14 @@ struct Driver {
         load_as(d.ipc_get_mem_handle, "cuIpcGetMemHandle");
         load_as(d.ipc_open_mem_handle, "cuIpcOpenMemHandle_v2");
         load_as(d.ipc_close_mem_handle, "cuIpcCloseMemHandle");
+        load_as(d.module_load_data, "cuModuleLoadData");
+        load_as(d.module_unload, "cuModuleUnload");
+        load_as(d.module_get_function, "cuModuleGetFunction");
+        load_as(d.launch_kernel, "cuLaunchKernel");
+        load_as(d.mem_alloc, "cuMemAlloc_v2");
+        load_as(d.mem_free, "cuMemFree_v2");
+        load_as(d.mem_alloc_host, "cuMemAllocHost_v2");
+        load_as(d.mem_free_host, "cuMemFreeHost");
         return d;
     }
 };

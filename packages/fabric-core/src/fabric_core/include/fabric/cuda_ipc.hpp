@@ -13,13 +13,22 @@
 //   use, entries read under a sequence lock and cached until the slot changes), opens the
 //   allocation's handle once (cached; a peer in this same process is written directly), checks
 //   the range, and copies (cuMemcpyDtoDAsync / HtoD) on this domain's own non-blocking
-//   stream. Nothing of the caller's streams waits on it, or it on them. The next poll records
-//   one event for every copy queued since: a driver call per copy, not three.
+//   stream. Nothing of the caller's streams waits on it, or it on them. Copies of under
+//   kKernelMaxBytes from this GPU's memory wait for the next poll, which moves all of them in
+//   one launch of a copy-list kernel (fabric/cuda_copy_kernel.cu: the segments go to the GPU
+//   through a pinned ring, one host-to-device copy per launch); larger ones, and all where
+//   the kernel cannot be loaded, are a cuMemcpy each (the copy engines). A paged write of
+//   thousands of pages is thus a few launches, not thousands of copy-engine operations (each
+//   of those costs a few microseconds of the stream, whatever its size). The poll then
+//   records one event for every copy queued since.
 // - poll() finds the finished copies (events, in order: one stream) and only then delivers the
-//   imm: a zero-length write-with-imm through the inner domain to the peer's doorbell (a tiny
-//   host region registered at open and named in the address). The imm is counted by the
-//   peer's counter table like any other, and it arrives after the bytes are in place: the
-//   contract's "imm implies data". A write without imm completes when its copy has.
+//   imms, so an imm arrives after its bytes are in place: the contract's "imm implies data".
+//   They go through the peer's imm inbox (fabric/imm_inbox.hpp: a lane of shared memory this
+//   domain claims in it), one record per run of copies with the same imm; where the peer has
+//   no inbox or no free lane, or the lane is full, each is a zero-length write-with-imm
+//   through the inner domain to the peer's doorbell (a tiny host region registered at open and
+//   named in the address). Either way the peer's counter table counts it like any other. A
+//   write without imm completes when its copy has.
 // - Errors are the contract's: an unknown or stale key, a range outside the region or a
 //   region without remote write is kRemoteAccess; a peer whose table is gone is
 //   kPeerUnreachable; a failed copy is kTransport. All are reported through poll, as the
@@ -61,7 +70,9 @@
 #include <vector>
 
 #include <fabric/cuda.hpp>
+#include <fabric/cuda_copy_kernel.hpp>
 #include <fabric/engine.hpp>
+#include <fabric/imm_inbox.hpp>
 
 namespace fabric::cuda_ipc {
 
@@ -75,6 +86,15 @@ constexpr size_t kNameBytes = 32;
 // Appended to the inner address: doorbell address, doorbell key, table name, inner length,
 // magic. A peer without it (no CUDA IPC there) is reached through the inner domain only.
 constexpr size_t kTrailerBytes = 8 + 8 + kNameBytes + 2 + sizeof(kTrailerMagic);
+constexpr uint64_t kKernelMaxBytes = uint64_t(1) << 20;  // smaller copies go through the copy-list kernel
+constexpr size_t kRingSegs = size_t(1) << 16;            // the kernel's segment ring (1.5 MiB)
+constexpr size_t kMaxLaunch = size_t(1) << 14;            // segments per launch at most
+constexpr unsigned kKernelBlocks = 1024, kKernelThreads = 512;
+
+struct Seg {  // the kernel's FabricSeg
+    uint64_t src, dst, len;
+};
+static_assert(sizeof(Seg) == 24, "the copy-list kernel reads 24-byte segments");
 
 struct alignas(64) Entry {
     std::atomic<uint64_t> seq;  // even: stable; odd: being written. Never reused.
@@ -142,7 +162,8 @@ class CudaIpcDomain : public Inner {
     struct Region {
         typename Inner::Mr inner{};
         void* inner_desc = nullptr;
-        int slot = -1;  // >= 0: CUDA memory in this domain's table
+        int slot = -1;       // >= 0: CUDA memory in this domain's table
+        bool local = false;  // CUDA memory of this domain's own device (the kernel may read it)
     };
     using Mr = Region*;
 
@@ -166,6 +187,11 @@ class CudaIpcDomain : public Inner {
     CudaIpcDomain& operator=(const CudaIpcDomain&) = delete;
 
     bool cuda_ipc() const { return ipc_; }
+    // Why copies do not go through the copy-list kernel ("" where they do).
+    const std::string& copy_kernel_off() const { return kernel_why_; }
+    // Why imms go through the provider's doorbell rather than this domain's inbox ("" where
+    // peers can use the inbox).
+    const std::string& inbox_off() const { return inbox_why_; }
     const std::string& address() const { return address_; }
 
     uint64_t insert_peer(const std::string& address) {
@@ -184,6 +210,8 @@ class CudaIpcDomain : public Inner {
         uint64_t handle = Inner::insert_peer(address.substr(0, inner_len));
         if (ipc_) {
             std::lock_guard<std::mutex> lock(mu_);
+            inner_handles_[address.substr(0, inner_len)] = handle;
+            handles_version_.fetch_add(1, std::memory_order_release);
             auto it = peers_.find(handle);
             if (it == peers_.end() || it->second.table_name != p.table_name) {
                 if (it != peers_.end()) unmap(it->second);
@@ -197,6 +225,10 @@ class CudaIpcDomain : public Inner {
         Inner::remove_peer(peer);
         if (!ipc_) return;
         std::lock_guard<std::mutex> lock(mu_);
+        for (auto h = inner_handles_.begin(); h != inner_handles_.end();) {
+            h = h->second == peer ? inner_handles_.erase(h) : std::next(h);
+        }
+        handles_version_.fetch_add(1, std::memory_order_release);
         auto it = peers_.find(peer);
         if (it == peers_.end()) return;
         unmap(it->second);
@@ -208,6 +240,7 @@ class CudaIpcDomain : public Inner {
         auto r = std::make_unique<Region>();
         if (ipc_ && cuda::is_device_pointer(ptr)) {
             r->slot = export_region(ptr, len, remote_write, key);
+            r->local = cuda::device_ordinal(ptr) == ordinal_;
             desc = r.get();
         } else {
             r->inner = Inner::register_memory(ptr, len, requested_key, remote_write, key, r->inner_desc);
@@ -254,20 +287,28 @@ class CudaIpcDomain : public Inner {
             return 0;
         }
         if (w.len == 0) {
-            if (!w.has_imm) {
+            if (!w.has_imm || (p.lane && p.lane->push(w.imm, 1))) {
                 later(ctx, kOk, std::string());
                 return 0;
             }
             return notify(p.doorbell_addr, p.doorbell_key, w.peer, w.imm, ctx);
         }
         uint64_t dst = 0;
-        if (!target_of(p, w.rkey, w.raddr, w.len, dst, status, why)) {
+        bool direct = false;
+        if (!target_of(p, w.rkey, w.raddr, w.len, dst, direct, status, why)) {
             later(ctx, status, why);
+            return 0;
+        }
+        auto from = reinterpret_cast<cuda::CUdeviceptr>(w.src);
+        Copy copy{ctx, w.peer, p.doorbell_addr, p.doorbell_key, w.imm, w.has_imm,
+                  p.same_process ? 0 : int(p.table->pid)};
+        if (kernel_fn_ && direct && src && src->slot >= 0 && src->local && w.len < kKernelMaxBytes) {
+            pending_.push_back(Pending{Seg{uint64_t(from), dst, w.len}, copy});  // the next poll launches
+            busy_.fetch_add(1, std::memory_order_release);
             return 0;
         }
         const cuda::Driver& d = cuda::Driver::get();
         ContextScope scope(ctx_);
-        auto from = reinterpret_cast<cuda::CUdeviceptr>(w.src);
         int rc;
         if (src && src->slot >= 0 && d.memcpy_dtod_async) {
             rc = d.memcpy_dtod_async(dst, from, w.len, stream_);
@@ -282,8 +323,7 @@ class CudaIpcDomain : public Inner {
         }
         // No event per copy: the next poll records one for every copy queued since (one
         // stream: when it completes, they all have).
-        inflight_.push_back(Copy{ctx, w.peer, p.doorbell_addr, p.doorbell_key, w.imm, w.has_imm,
-                                 p.same_process ? 0 : int(p.table->pid)});
+        inflight_.push_back(copy);
         unmarked_++;
         busy_.fetch_add(1, std::memory_order_release);
         return 0;
@@ -293,6 +333,7 @@ class CudaIpcDomain : public Inner {
     size_t poll(Sink& sink) {
         size_t n = Inner::poll(sink);
         if (!ipc_) return n;
+        if (inbox_.is_open()) n += drain_inbox(sink);
         bool sweep = sweep_due();
         if (busy_.load(std::memory_order_acquire) == 0 && !sweep) return n;
         return n + poll_ipc(sink, sweep);
@@ -305,11 +346,13 @@ class CudaIpcDomain : public Inner {
         std::string table_name;
         const Table* table = nullptr;  // mapped on first use
         bool same_process = false;
+        std::unique_ptr<inbox::Sender> lane;  // this domain's lane in the peer's imm inbox
         struct Cached {
             uint64_t seq, va, len, offset;  // offset: of va in its allocation
             uint64_t base;                  // where the allocation starts in this process
             bool remote_write;
             std::string handle;  // "" for a peer in this process
+            bool direct;         // the copy-list kernel (this domain's device) can write it
         };
         std::unordered_map<uint64_t, Cached> keys;
     };
@@ -323,6 +366,11 @@ class CudaIpcDomain : public Inner {
     struct Mark {  // an event recorded after the copies before it
         cuda::CUevent event;  // null: the stream was synchronized instead (no event to be had)
         size_t copies;
+        uint64_t ring_head;   // the kernel's segment ring is free up to here once it completes
+    };
+    struct Pending {  // a copy for the next launch of the copy-list kernel
+        Seg seg;
+        Copy copy;
     };
     struct Later {
         void* ctx;
@@ -350,9 +398,11 @@ class CudaIpcDomain : public Inner {
         check(d.device_get(&dev, device), "cuDeviceGet");
         check(d.primary_ctx_retain(&ctx_, dev), "cuDevicePrimaryCtxRetain");
         device_ = dev;
+        ordinal_ = device;
         {
             ContextScope scope(ctx_);
             check(d.stream_create(&stream_, cuda::kStreamNonBlocking), "cuStreamCreate");
+            load_kernel();
         }
         remove_orphan_tables();
         std::random_device rd;
@@ -380,7 +430,37 @@ class CudaIpcDomain : public Inner {
         doorbell_mr_ = Inner::register_memory(&doorbell_, sizeof(doorbell_), kDoorbellKey, true, key, doorbell_desc_);
         doorbell_key_ = key;
         has_doorbell_ = true;
+        if (!inbox_.open(inbox::inbox_name(table_name_), inbox_why_) && inbox_why_.empty())
+            inbox_why_ = "no inbox";
         ipc_ = true;
+    }
+
+    // The copy-list kernel and its segment ring; without them (kernel_why_ says why) every
+    // copy is a cuMemcpy. Under ctx_.
+    void load_kernel() {
+        const cuda::Driver& d = cuda::Driver::get();
+        if (!d.kernels()) {
+            kernel_why_ = "the CUDA driver lacks the module, launch or pinned-memory calls";
+            return;
+        }
+        int rc = d.module_load_data(&module_, cuda::kCopyKernelPtx);
+        if (rc == 0) rc = d.module_get_function(&kernel_fn_, module_, cuda::kCopyKernelName);
+        if (rc == 0) rc = d.mem_alloc_host(reinterpret_cast<void**>(&ring_host_), kRingSegs * sizeof(Seg));
+        if (rc == 0) rc = d.mem_alloc(&ring_dev_, kRingSegs * sizeof(Seg));
+        if (rc == 0) return;
+        kernel_why_ = "the copy-list kernel: " + d.error(rc);
+        unload_kernel();
+    }
+
+    void unload_kernel() {  // under ctx_, the stream idle
+        const cuda::Driver& d = cuda::Driver::get();
+        if (ring_dev_) d.mem_free(ring_dev_);
+        if (ring_host_) d.mem_free_host(ring_host_);
+        if (module_) d.module_unload(module_);
+        ring_dev_ = 0;
+        ring_host_ = nullptr;
+        module_ = nullptr;
+        kernel_fn_ = nullptr;
     }
 
     void close_ipc() {
@@ -396,8 +476,10 @@ class CudaIpcDomain : public Inner {
                 for (auto ev : events_) d.event_destroy(ev);
                 for (auto& [handle, o] : opened_) d.ipc_close_mem_handle(o.base);
                 for (auto base : closing_) d.ipc_close_mem_handle(base);
+                unload_kernel();
                 d.stream_destroy(stream_);
             }
+            pending_.clear();
             inflight_.clear();
             marks_.clear();
             unmarked_ = 0;
@@ -417,6 +499,7 @@ class CudaIpcDomain : public Inner {
         table_ = nullptr;
         if (!table_name_.empty()) shm_unlink(table_name_.c_str());
         table_name_.clear();
+        inbox_.close();
         ipc_ = false;
     }
 
@@ -482,8 +565,8 @@ class CudaIpcDomain : public Inner {
     }
 
     // Where [raddr, raddr+len) of the peer's region ``rkey`` is in this process (mu_ held).
-    bool target_of(Peer& p, uint64_t rkey, uint64_t raddr, uint64_t len, uint64_t& dst, int32_t& status,
-                   std::string& why) {
+    bool target_of(Peer& p, uint64_t rkey, uint64_t raddr, uint64_t len, uint64_t& dst, bool& direct,
+                   int32_t& status, std::string& why) {
         if (!p.table && !map(p, status, why)) return false;
         uint32_t slot = uint32_t(rkey & 0xffff);
         if (slot >= kSlots) {
@@ -524,10 +607,13 @@ class CudaIpcDomain : public Inner {
                 why = "CUDA IPC: no such key at the peer (deregistered?)";
                 return false;
             }
-            typename Peer::Cached c{seq, snap.va, snap.len, snap.offset, 0, snap.remote_write != 0, std::string()};
+            typename Peer::Cached c{seq,          snap.va, snap.len, snap.offset, 0, snap.remote_write != 0,
+                                    std::string(), true};
             if (p.same_process) {
                 c.base = snap.va - snap.offset;
-            } else {
+                // another engine's memory in this process: the kernel writes it only on this device
+                c.direct = cuda::device_ordinal(reinterpret_cast<void*>(c.base)) == ordinal_;
+            } else {  // opened in ctx_ (lazy peer access): this device's kernels reach it
                 c.handle.assign(snap.handle.reserved, sizeof(snap.handle.reserved));
                 Opened& o = opened_[c.handle];
                 if (o.base == 0) {
@@ -561,6 +647,7 @@ class CudaIpcDomain : public Inner {
             return false;
         }
         dst = c.base + c.offset + off;
+        direct = c.direct;
         return true;
     }
 
@@ -601,10 +688,14 @@ class CudaIpcDomain : public Inner {
         }
         p.table = t;
         p.same_process = t->pid == uint64_t(getpid());
+        auto lane = std::make_unique<inbox::Sender>();
+        std::string no_lane;  // without one, this peer's imms take the doorbell
+        if (lane->open(inbox::inbox_name(p.table_name), Inner::address(), no_lane)) p.lane = std::move(lane);
         return true;
     }
 
     void unmap(Peer& p) {
+        p.lane.reset();  // given back: the peer drains it and frees it
         for (auto& [k, c] : p.keys) forget(c);
         p.keys.clear();
         if (p.table) munmap(const_cast<Table*>(p.table), sizeof(Table));
@@ -676,8 +767,9 @@ class CudaIpcDomain : public Inner {
             retry.swap(retry_);
             busy_.fetch_sub(done.size() + retry.size(), std::memory_order_release);
             const cuda::Driver& d = cuda::Driver::get();
-            if (!inflight_.empty() || !closing_.empty()) {
+            if (!inflight_.empty() || !closing_.empty() || !pending_.empty()) {
                 ContextScope scope(ctx_);
+                if (!pending_.empty()) flush_pending();
                 if (unmarked_ > 0) {
                     cuda::CUevent ev = take_event();
                     if (ev && d.event_record(ev, stream_) != 0) {
@@ -685,7 +777,7 @@ class CudaIpcDomain : public Inner {
                         ev = nullptr;
                     }
                     if (!ev) d.stream_synchronize(stream_);  // no event to be had: wait here
-                    marks_.push_back(Mark{ev, unmarked_});
+                    marks_.push_back(Mark{ev, unmarked_, ring_head_});
                     unmarked_ = 0;
                 }
                 while (!marks_.empty()) {
@@ -693,6 +785,7 @@ class CudaIpcDomain : public Inner {
                     int q = m.event ? d.event_query(m.event) : 0;
                     if (q == cuda::kNotReady) break;
                     marks_.pop_front();
+                    ring_tail_ = m.ring_head;
                     if (m.event) events_.push_back(m.event);
                     for (size_t i = 0; i < m.copies; i++) {
                         Copy c = inflight_.front();
@@ -727,6 +820,7 @@ class CudaIpcDomain : public Inner {
         }
         int checked_pid = -1;  // one liveness check per peer process per poll, not per copy
         bool gone = false;
+        std::vector<Copy> imms;
         for (auto& c : finished) {
             n++;
             if (c.pid != checked_pid) {
@@ -742,7 +836,34 @@ class CudaIpcDomain : public Inner {
                 sink.on_write_done(c.ctx);
                 continue;
             }
-            retry.push_back(Notify{c.ctx, c.peer, c.doorbell_addr, c.doorbell_key, c.imm});
+            imms.push_back(c);
+        }
+        if (!imms.empty()) {
+            // through the peers' inboxes: one record per run of the same (peer, imm); what no
+            // lane takes goes to the doorbell
+            std::vector<void*> delivered;
+            {
+                std::lock_guard<std::mutex> lock(mu_);
+                for (size_t i = 0; i < imms.size();) {
+                    size_t j = i + 1;
+                    while (j < imms.size() && imms[j].peer == imms[i].peer && imms[j].imm == imms[i].imm &&
+                           j - i < 0xffffffffu)
+                        j++;
+                    auto it = peers_.find(imms[i].peer);
+                    bool took = it != peers_.end() && it->second.lane &&
+                                it->second.lane->push(imms[i].imm, uint32_t(j - i));
+                    for (size_t k = i; k < j; k++) {
+                        const Copy& c = imms[k];
+                        if (took) {
+                            delivered.push_back(c.ctx);
+                        } else {
+                            retry.push_back(Notify{c.ctx, c.peer, c.doorbell_addr, c.doorbell_key, c.imm});
+                        }
+                    }
+                    i = j;
+                }
+            }
+            for (void* ctx : delivered) sink.on_write_done(ctx);
         }
         for (auto& r : retry) {
             int rc = notify(r.doorbell_addr, r.doorbell_key, r.peer, r.imm, r.ctx);
@@ -757,6 +878,83 @@ class CudaIpcDomain : public Inner {
             }
         }
         return n;
+    }
+
+    // Launches the copy-list kernel over the pending copies (mu_ held, under ctx_); a batch the
+    // segment ring has no room for, or whose launch fails, is copied a cuMemcpy per segment.
+    void flush_pending() {
+        const cuda::Driver& d = cuda::Driver::get();
+        for (size_t i = 0; i < pending_.size();) {
+            size_t n = std::min(pending_.size() - i, kMaxLaunch);
+            size_t at = 0;
+            int rc = -1;
+            if (reserve(n, at)) {
+                Seg* host = ring_host_ + at;
+                for (size_t k = 0; k < n; k++) host[k] = pending_[i + k].seg;
+                cuda::CUdeviceptr segs = ring_dev_ + at * sizeof(Seg);
+                unsigned count = unsigned(n);
+                rc = d.memcpy_htod_async(segs, host, n * sizeof(Seg), stream_);
+                if (rc == 0) {
+                    void* args[] = {&segs, &count};
+                    unsigned blocks = unsigned(std::min<size_t>(n, kKernelBlocks));
+                    rc = d.launch_kernel(kernel_fn_, blocks, 1, 1, kKernelThreads, 1, 1, 0, stream_, args, nullptr);
+                }
+                if (rc == 0) launches_++;
+            }
+            for (size_t k = 0; k < n; k++) {
+                Pending& p = pending_[i + k];
+                int c = rc == 0 ? 0 : d.memcpy_dtod_async(p.seg.dst, p.seg.src, p.seg.len, stream_);
+                if (c == 0) {
+                    inflight_.push_back(p.copy);
+                    unmarked_++;
+                } else {  // (its busy_ count, taken when it was posted, goes with the later entry)
+                    later_.push_back(Later{p.copy.ctx, kTransport, "CUDA IPC: cuMemcpyDtoDAsync: " + d.error(c)});
+                }
+            }
+            i += n;
+        }
+        pending_.clear();
+    }
+
+    // ``n`` contiguous segments of the ring at ``at``; false when it has no room for them now.
+    bool reserve(size_t n, size_t& at) {
+        uint64_t used = ring_head_ - ring_tail_;
+        size_t pos = size_t(ring_head_ % kRingSegs);
+        if (pos + n > kRingSegs) {  // skip the ring's end
+            uint64_t skip = kRingSegs - pos;
+            if (used + skip + n > kRingSegs) return false;
+            ring_head_ += skip;
+            used += skip;
+            pos = 0;
+        }
+        if (used + n > kRingSegs) return false;
+        at = pos;
+        ring_head_ += n;
+        return true;
+    }
+
+    // This domain's inbox: every record is ``count`` imms from the lane's sender, attributed to
+    // the peer handle of the sender's address where this domain knows it (kNoSource otherwise,
+    // as a provider reports a source not in its address vector). Poll only.
+    template <class Sink>
+    size_t drain_inbox(Sink& sink) {
+        int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          std::chrono::steady_clock::now().time_since_epoch())
+                          .count();
+        bool reap = now >= next_reap_;  // orphaned lanes (their sender's process gone)
+        if (reap) next_reap_ = now + kSweepNs;
+        uint64_t version = handles_version_.load(std::memory_order_acquire);
+        return inbox_.drain(
+            [&](uint32_t lane, uint64_t owner, const char* addr, size_t len, uint32_t imm, uint32_t count) {
+                LaneSource& ls = lane_sources_[lane];
+                if (ls.owner != owner || ls.version != version) {
+                    std::lock_guard<std::mutex> lock(mu_);
+                    auto it = inner_handles_.find(std::string(addr, len));
+                    ls = LaneSource{owner, version, it == inner_handles_.end() ? kNoSource : it->second};
+                }
+                for (uint32_t k = 0; k < count; k++) sink.on_imm(imm, ls.source);
+            },
+            reap);
     }
 
     // Drops cached keys whose slot changed at the peer (deregistered there).
@@ -779,6 +977,7 @@ class CudaIpcDomain : public Inner {
     std::string address_;
     cuda::CUcontext ctx_ = nullptr;
     int device_ = 0;
+    int ordinal_ = -1;  // the CUDA device index this domain's context is of
     cuda::CUstream stream_ = nullptr;
     // This domain's table (what peers read), its slots and their generations.
     std::string table_name_;
@@ -805,6 +1004,27 @@ class CudaIpcDomain : public Inner {
     std::vector<Notify> retry_;
     std::atomic<size_t> cached_{0};
     int64_t next_sweep_ = 0;
+    // The copy-list kernel (mu_): its module, the pinned and device segment rings (ring_head_
+    // and ring_tail_ count segments handed out and freed), the copies waiting for a launch.
+    cuda::CUmodule module_ = nullptr;
+    cuda::CUfunction kernel_fn_ = nullptr;
+    Seg* ring_host_ = nullptr;
+    cuda::CUdeviceptr ring_dev_ = 0;
+    uint64_t ring_head_ = 0, ring_tail_ = 0;
+    uint64_t launches_ = 0;
+    std::vector<Pending> pending_;
+    std::string kernel_why_;
+    // The imm inbox: this domain's (drained by poll), and the peer handles of the inner
+    // addresses inserted (mu_), by which its senders are attributed.
+    inbox::Receiver inbox_;
+    std::string inbox_why_;
+    std::unordered_map<std::string, uint64_t> inner_handles_;
+    std::atomic<uint64_t> handles_version_{0};
+    struct LaneSource {
+        uint64_t owner = 0, version = ~uint64_t(0), source = kNoSource;
+    };
+    LaneSource lane_sources_[inbox::kLanes];
+    int64_t next_reap_ = 0;
     // Anything for poll_ipc to do (copies, completions, retries, mappings to close, cached keys).
     std::atomic<int64_t> busy_{0};
 };
