@@ -33,7 +33,11 @@ def test_the_inbox_counts_every_published_imm_once_across_processes(
     if sanitizer:
         flags.append(f"-fsanitize={sanitizer}")
     subprocess.run([cxx, *flags, str(TARGET), "-o", str(out)], check=True, timeout=300)
-    env = {"TSAN_OPTIONS": "halt_on_error=1", "ASAN_OPTIONS": "detect_leaks=1", "UBSAN_OPTIONS": "halt_on_error=1"}
+    env = {
+        "TSAN_OPTIONS": "halt_on_error=1",
+        "ASAN_OPTIONS": "detect_leaks=1",
+        "UBSAN_OPTIONS": "halt_on_error=1",
+    }
     done = subprocess.run([str(out)], capture_output=True, text=True, timeout=120, check=False, env=env)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "inbox: ok" in done.stdout

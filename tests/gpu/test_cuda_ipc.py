@@ -207,6 +207,35 @@ def test_many_writes_in_flight_count_exactly(engine: Any, peer: Peer) -> None:
     assert peer.ask(f"sha {index}") == _sha(src)
 
 
+@pytest.mark.parametrize(("stride", "length"), [(4099, 4093), (8192, 8001)])
+def test_paged_writes_go_through_the_copy_kernel_and_the_inbox_and_land_exact_bytes(
+    engine: Any, peer: Peer, stride: int, length: int
+) -> None:
+    # thousands of pages, scattered at both ends: the domain moves them in a few kernel
+    # launches and delivers their imms through the peer's inbox. Odd strides and lengths
+    # take the kernel's byte loop, 16-byte aligned ones its vector loop and then a tail.
+    details = engine.domains[0].details
+    assert details["cuda_copy_kernel"] == "yes", details
+    assert details["cuda_imm_inbox"] == "yes", details
+    pages = 3000
+    n = pages * stride
+    index, desc = peer.register("cuda", n)
+    src = _bytes(n, 8)
+    rs = engine.register(src)
+    g = torch.Generator().manual_seed(stride)
+    src_pages = torch.randperm(pages, generator=g).numpy()
+    dst_pages = torch.randperm(pages, generator=g).numpy()
+    t = engine.submit_paged_write(rs, src_pages, stride, desc, dst_pages, stride, length, imm=60)
+    t.wait(timeout=60)
+    assert peer.ask(f"wait 60 {t.imms_at_target}") == "ok"
+    assert peer.ask("count 60") == "0"
+    host = src.cpu()
+    want = torch.zeros(n, dtype=torch.uint8)
+    for s, d in zip(src_pages.tolist(), dst_pages.tolist(), strict=True):
+        want[d * stride : d * stride + length] = host[s * stride : s * stride + length]
+    assert peer.ask(f"sha {index}") == _sha(want)
+
+
 def test_a_dead_peer_fails_the_write_typed_and_in_bounded_time(engine: Any, peer: Peer) -> None:
     _, desc = peer.register("cuda", MiB)
     src = engine.register(_bytes(MiB, 7))

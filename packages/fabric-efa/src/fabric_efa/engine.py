@@ -110,8 +110,9 @@ class EfaEngine(NativeEngine):
         carried = "yes (CUDA IPC)" if info["cuda_ipc"] else "yes"
         details["cuda_memory"] = carried if cuda_ok else f"no: {why}"
         if info["cuda_ipc"]:  # how CUDA IPC writes move: kernel launches per poll, imms via the inbox
-            details["cuda_copy_kernel"] = "yes" if not info["cuda_copy_kernel_off"] else f"no: {info['cuda_copy_kernel_off']}"
-            details["cuda_imm_inbox"] = "yes" if not info["cuda_inbox_off"] else f"no: {info['cuda_inbox_off']}"
+            ways = (("cuda_copy_kernel", "cuda_copy_kernel_off"), ("cuda_imm_inbox", "cuda_inbox_off"))
+            for key, off in ways:
+                details[key] = f"no: {info[off]}" if info[off] else "yes"
         for a in core.addresses():  # an address can be reused
             _efa.reopen_address(a)
         super().__init__(

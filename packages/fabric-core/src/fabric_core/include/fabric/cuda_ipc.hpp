@@ -14,8 +14,8 @@
 //   allocation's handle once (cached; a peer in this same process is written directly), checks
 //   the range, and copies (cuMemcpyDtoDAsync / HtoD) on this domain's own non-blocking
 //   stream. Nothing of the caller's streams waits on it, or it on them. Copies of under
-//   kKernelMaxBytes from this GPU's memory wait for the next poll, which moves all of them in
-//   one launch of a copy-list kernel (fabric/cuda_copy_kernel.cu: the segments go to the GPU
+//   kKernelMaxBytes from this GPU's memory wait for the next poll, which moves them (when
+//   there are kKernelMinBatch or more) in one launch of a copy-list kernel (fabric/cuda_copy_kernel.cu: the segments go to the GPU
 //   through a pinned ring, one host-to-device copy per launch); larger ones, and all where
 //   the kernel cannot be loaded, are a cuMemcpy each (the copy engines). A paged write of
 //   thousands of pages is thus a few launches, not thousands of copy-engine operations (each
@@ -90,6 +90,7 @@ constexpr uint64_t kKernelMaxBytes = uint64_t(1) << 20;  // smaller copies go th
 constexpr size_t kRingSegs = size_t(1) << 16;            // the kernel's segment ring (1.5 MiB)
 constexpr size_t kMaxLaunch = size_t(1) << 14;            // segments per launch at most
 constexpr unsigned kKernelBlocks = 1024, kKernelThreads = 512;
+constexpr size_t kKernelMinBatch = 4;  // fewer pending copies are a cuMemcpy each (no ring copy, one launch less)
 
 struct Seg {  // the kernel's FabricSeg
     uint64_t src, dst, len;
@@ -880,15 +881,16 @@ class CudaIpcDomain : public Inner {
         return n;
     }
 
-    // Launches the copy-list kernel over the pending copies (mu_ held, under ctx_); a batch the
-    // segment ring has no room for, or whose launch fails, is copied a cuMemcpy per segment.
+    // Launches the copy-list kernel over the pending copies (mu_ held, under ctx_); a batch of
+    // fewer than kKernelMinBatch, one the segment ring has no room for, or one whose launch
+    // fails is copied a cuMemcpy per segment.
     void flush_pending() {
         const cuda::Driver& d = cuda::Driver::get();
         for (size_t i = 0; i < pending_.size();) {
             size_t n = std::min(pending_.size() - i, kMaxLaunch);
             size_t at = 0;
             int rc = -1;
-            if (reserve(n, at)) {
+            if (n >= kKernelMinBatch && reserve(n, at)) {
                 Seg* host = ring_host_ + at;
                 for (size_t k = 0; k < n; k++) host[k] = pending_[i + k].seg;
                 cuda::CUdeviceptr segs = ring_dev_ + at * sizeof(Seg);
