@@ -195,7 +195,14 @@ def main() -> None:
     ]
     for p in procs:
         p.start()
-    got = [pipes[r][0].recv() for r in range(2)]
+    for _, there in pipes:
+        there.close()  # a rank that dies then ends our recv with EOFError, not a hang
+    got = []
+    for r in range(2):
+        try:
+            got.append(pipes[r][0].recv())
+        except EOFError:
+            got.append(("error", f"rank {r} died (exit code {procs[r].join(10) or procs[r].exitcode})"))
     for p in procs:
         p.join(60)
     bad = [body for status, body in got if status != "ok"]
