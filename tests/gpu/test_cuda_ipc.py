@@ -236,6 +236,31 @@ def test_paged_writes_go_through_the_copy_kernel_and_the_inbox_and_land_exact_by
     assert peer.ask(f"sha {index}") == _sha(want)
 
 
+def test_memory_of_another_gpu_registers_and_moves_both_ways(engine: Any, peer: Peer) -> None:
+    # both engines are on GPU 0 (the device current when they opened); the tensors are on
+    # GPU 1. Before, such a registration failed in the driver's lookup (the allocation is
+    # another context's).
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    n = 2 * MiB + 3
+    index, desc = peer.register("cuda:1", n)
+    src = _bytes(n, 12, "cuda:1")
+    rs = engine.register(src)
+    engine.submit(WriteRequest(rs, 0, n, desc, 0, imm=70)).wait(timeout=30)
+    # small pieces too: the copy-list kernel's size (they go as peer copies here)
+    pieces = [engine.submit(WriteRequest(rs, i * 4096, 4096, desc, i * 4096, imm=70)) for i in range(16)]
+    for t in pieces:
+        t.wait(timeout=30)
+    assert peer.ask("wait 70 17") == "ok"
+    assert peer.ask(f"sha {index}") == _sha(src)
+    dst = torch.zeros(n, dtype=torch.uint8, device="cuda:1")
+    rd = engine.register(dst)
+    other, _ = peer.register("cuda:1", n, seed=13)
+    assert peer.ask(f"write {other} {rd.descriptor.to_bytes().hex()} {n} 71") == "ok"
+    engine.counter(71).wait(1, timeout=30)
+    assert _sha(dst) == _sha(_bytes(n, 13))
+
+
 def test_a_dead_peer_fails_the_write_typed_and_in_bounded_time(engine: Any, peer: Peer) -> None:
     _, desc = peer.register("cuda", MiB)
     src = engine.register(_bytes(MiB, 7))

@@ -5,7 +5,8 @@
 // memory, control messages, and every imm. What it cannot carry (a libfabric built without
 // CUDA refuses FI_HMEM_CUDA registrations) is CUDA memory; this layer carries it:
 //
-// - Registering CUDA memory exports the allocation's IPC handle (cuIpcGetMemHandle) into this
+// - Registering CUDA memory (of any visible GPU: the handle is taken in the allocation's own
+//   device's primary context) exports the allocation's IPC handle (cuIpcGetMemHandle) into this
 //   domain's handle table, a small POSIX shared-memory file named in the domain's address. The
 //   key handed out (kIpcKeyBit set) names the table slot and the slot's generation. The
 //   descriptor format is the engine's as ever: a key per NIC.
@@ -311,9 +312,11 @@ class CudaIpcDomain : public Inner {
         const cuda::Driver& d = cuda::Driver::get();
         ContextScope scope(ctx_);
         int rc;
-        if (src && src->slot >= 0 && d.memcpy_dtod_async) {
+        // typed copies where both ends are this device's (or host memory); the generic one,
+        // which finds each end's device by its address, where either end is another GPU's
+        if (src && src->slot >= 0 && src->local && direct && d.memcpy_dtod_async) {
             rc = d.memcpy_dtod_async(dst, from, w.len, stream_);
-        } else if (src && src->slot < 0 && d.memcpy_htod_async) {
+        } else if (src && src->slot < 0 && direct && d.memcpy_htod_async) {
             rc = d.memcpy_htod_async(dst, w.src, w.len, stream_);
         } else {
             rc = d.memcpy_async(dst, from, w.len, stream_);
@@ -491,6 +494,8 @@ class CudaIpcDomain : public Inner {
         }
         if (ctx_) d.primary_ctx_release(device_);
         ctx_ = nullptr;
+        for (auto& [ordinal, o] : others_) d.primary_ctx_release(o.dev);
+        others_.clear();
         if (has_doorbell_) Inner::deregister_memory(doorbell_mr_);
         has_doorbell_ = false;
         if (table_) {
@@ -518,7 +523,9 @@ class CudaIpcDomain : public Inner {
 
     int export_region(void* ptr, size_t len, bool remote_write, uint64_t& key) {
         const cuda::Driver& d = cuda::Driver::get();
-        ContextScope scope(ctx_);
+        // the allocation's own device's context: memory of any GPU registers, not only of the
+        // one this domain's stream is on (the driver looks allocations up per context)
+        ContextScope scope(context_of(cuda::device_ordinal(ptr)));
         cuda::CUdeviceptr base = 0;
         size_t size = 0;
         int rc = d.mem_get_address_range(&base, &size, reinterpret_cast<cuda::CUdeviceptr>(ptr));
@@ -552,6 +559,21 @@ class CudaIpcDomain : public Inner {
         e.handle = handle;
         e.seq.store(s + 2, std::memory_order_release);
         return int(slot);
+    }
+
+    // The primary context of CUDA device ``ordinal``: this domain's own, or one retained on
+    // first use (released at close). Falls back to ctx_ where the device cannot be had.
+    cuda::CUcontext context_of(int ordinal) {
+        if (ordinal < 0 || ordinal == ordinal_) return ctx_;
+        std::lock_guard<std::mutex> lock(table_mu_);
+        auto it = others_.find(ordinal);
+        if (it != others_.end()) return it->second.ctx;
+        const cuda::Driver& d = cuda::Driver::get();
+        int dev = 0;
+        cuda::CUcontext c = nullptr;
+        if (d.device_get(&dev, ordinal) != 0 || d.primary_ctx_retain(&c, dev) != 0) return ctx_;
+        others_[ordinal] = Other{c, dev};
+        return c;
     }
 
     void unexport(int slot) {
@@ -985,6 +1007,11 @@ class CudaIpcDomain : public Inner {
     std::string table_name_;
     Table* table_ = nullptr;
     std::mutex table_mu_;
+    struct Other {  // another device's primary context, retained to export its memory
+        cuda::CUcontext ctx;
+        int dev;
+    };
+    std::unordered_map<int, Other> others_;  // (table_mu_)
     std::vector<uint32_t> free_slots_;
     std::vector<uint32_t> gens_;
     // The doorbell: the host bytes every imm of a CUDA IPC write is written to (zero bytes).
