@@ -35,7 +35,8 @@
 //   kPeerUnreachable; a failed copy is kTransport. All are reported through poll, as the
 //   inner domain reports its own.
 // - A peer whose process is gone, or whose engine closed, is kPeerUnreachable, checked before
-//   each copy and again before its imm is sent: the provider would take a write into a dead
+//   each copy (its process at most every kAliveCheckNs) and again, in the poll that finds the
+//   copy done, before the write is reported or its imm is sent: the provider would take a write into a dead
 //   process's shared memory and complete it (shm does), and the copy itself lands in memory
 //   this process keeps alive by its IPC mapping, so neither would say so.
 //
@@ -61,6 +62,7 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -82,6 +84,7 @@ constexpr uint32_t kSlots = 4096;
 constexpr uint64_t kTableMagic = 0x3143504943424146ULL;  // "FABCIPC1"
 constexpr uint64_t kDoorbellKey = uint64_t(1) << 47;    // apart from user and local keys
 constexpr int64_t kSweepNs = 100'000'000;
+constexpr int64_t kAliveCheckNs = 1'000'000;
 constexpr char kTrailerMagic[8] = {'F', 'A', 'B', 'R', 'I', 'P', 'C', '1'};
 constexpr size_t kNameBytes = 32;
 // Appended to the inner address: doorbell address, doorbell key, table name, inner length,
@@ -350,6 +353,7 @@ class CudaIpcDomain : public Inner {
         std::string table_name;
         const Table* table = nullptr;  // mapped on first use
         bool same_process = false;
+        int64_t alive_checked = std::numeric_limits<int64_t>::min() / 2;  // its process, last checked (ns)
         std::unique_ptr<inbox::Sender> lane;  // this domain's lane in the peer's imm inbox
         struct Cached {
             uint64_t seq, va, len, offset;  // offset: of va in its allocation
@@ -676,13 +680,23 @@ class CudaIpcDomain : public Inner {
 
     static bool process_gone(int pid) { return pid > 0 && kill(pid, 0) == -1 && errno == ESRCH; }
 
-    bool alive(const Peer& p, int32_t& status, std::string& why) {
+    // Before a copy (mu_ held). The process check (a system call) runs at most every
+    // kAliveCheckNs per peer: a copy into a dead process's memory lands in memory this
+    // process's mapping keeps alive, and poll checks again before it reports the write or
+    // sends its imm, so a loss is never reported as a success.
+    bool alive(Peer& p, int32_t& status, std::string& why) {
         if (p.table->closed.load(std::memory_order_acquire)) {
             status = kPeerUnreachable;
             why = "CUDA IPC: the peer closed its engine";
             return false;
         }
-        if (!p.same_process && process_gone(int(p.table->pid))) {
+        if (p.same_process) return true;
+        int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          std::chrono::steady_clock::now().time_since_epoch())
+                          .count();
+        if (now - p.alive_checked < kAliveCheckNs) return true;
+        p.alive_checked = now;
+        if (process_gone(int(p.table->pid))) {
             status = kPeerUnreachable;
             why = "CUDA IPC: the peer's process (pid " + std::to_string(p.table->pid) + ") is gone";
             return false;
