@@ -15,10 +15,13 @@
 //   allocation's handle once (cached; a peer in this same process is written directly), checks
 //   the range, and copies (cuMemcpyDtoDAsync / HtoD) on this domain's own non-blocking
 //   stream. Nothing of the caller's streams waits on it, or it on them. Copies of under
-//   kKernelMaxBytes from this GPU's memory wait for the next poll, which moves them (when
-//   there are kKernelMinBatch or more) in one launch of a copy-list kernel (fabric/cuda_copy_kernel.cu: the segments go to the GPU
-//   through a pinned ring, one host-to-device copy per launch); larger ones, and all where
-//   the kernel cannot be loaded, are a cuMemcpy each (the copy engines). A paged write of
+//   kKernelMaxBytes (FABRIC_CUDA_COPY_KERNEL_MAX overrides it; 0 turns the kernel off) from
+//   this GPU's memory are cut into segments of kSegBytes and wait for the next poll, which
+//   moves them (when there are kKernelMinBatch segments or more) in one launch of a
+//   copy-list kernel (fabric/cuda_copy_kernel.cu, a block per segment at a time: the
+//   segments go to the GPU through a pinned ring, one host-to-device copy per launch);
+//   larger copies, and all where the kernel cannot be loaded, are a cuMemcpy each (the copy
+//   engines). A paged write of
 //   thousands of pages is thus a few launches, not thousands of copy-engine operations (each
 //   of those costs a few microseconds of the stream, whatever its size). The poll then
 //   records one event for every copy queued since.
@@ -60,6 +63,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <limits>
@@ -90,11 +94,12 @@ constexpr size_t kNameBytes = 32;
 // Appended to the inner address: doorbell address, doorbell key, table name, inner length,
 // magic. A peer without it (no CUDA IPC there) is reached through the inner domain only.
 constexpr size_t kTrailerBytes = 8 + 8 + kNameBytes + 2 + sizeof(kTrailerMagic);
-constexpr uint64_t kKernelMaxBytes = uint64_t(1) << 20;  // smaller copies go through the copy-list kernel
+constexpr uint64_t kKernelMaxBytes = uint64_t(16) << 20;  // smaller copies go through the copy-list kernel
+constexpr uint64_t kSegBytes = uint64_t(256) << 10;       // ... cut into segments of this (a block each)
 constexpr size_t kRingSegs = size_t(1) << 16;            // the kernel's segment ring (1.5 MiB)
 constexpr size_t kMaxLaunch = size_t(1) << 14;            // segments per launch at most
 constexpr unsigned kKernelBlocks = 1024, kKernelThreads = 512;
-constexpr size_t kKernelMinBatch = 4;  // fewer pending copies are a cuMemcpy each (no ring copy, one launch less)
+constexpr size_t kKernelMinBatch = 4;  // fewer pending segments: a cuMemcpy each (no ring copy, a launch less)
 
 struct Seg {  // the kernel's FabricSeg
     uint64_t src, dst, len;
@@ -307,8 +312,11 @@ class CudaIpcDomain : public Inner {
         auto from = reinterpret_cast<cuda::CUdeviceptr>(w.src);
         Copy copy{ctx, w.peer, p.doorbell_addr, p.doorbell_key, w.imm, w.has_imm,
                   p.same_process ? 0 : int(p.table->pid)};
-        if (kernel_fn_ && direct && src && src->slot >= 0 && src->local && w.len < kKernelMaxBytes) {
-            pending_.push_back(Pending{Seg{uint64_t(from), dst, w.len}, copy});  // the next poll launches
+        if (kernel_fn_ && direct && src && src->slot >= 0 && src->local && w.len < kernel_max_) {
+            for (uint64_t off = 0; off < w.len; off += kSegBytes) {  // the next poll launches
+                uint64_t n = std::min(kSegBytes, w.len - off);
+                pending_.push_back(Pending{Seg{uint64_t(from) + off, dst + off, n}, copy, off + n == w.len});
+            }
             busy_.fetch_add(1, std::memory_order_release);
             return 0;
         }
@@ -376,9 +384,10 @@ class CudaIpcDomain : public Inner {
         size_t copies;
         uint64_t ring_head;   // the kernel's segment ring is free up to here once it completes
     };
-    struct Pending {  // a copy for the next launch of the copy-list kernel
+    struct Pending {  // a segment of a copy for the next launch of the copy-list kernel
         Seg seg;
         Copy copy;
+        bool last;  // the copy's last segment: it completes with it
     };
     struct Later {
         void* ctx;
@@ -447,6 +456,15 @@ class CudaIpcDomain : public Inner {
     // copy is a cuMemcpy. Under ctx_.
     void load_kernel() {
         const cuda::Driver& d = cuda::Driver::get();
+        if (const char* v = std::getenv("FABRIC_CUDA_COPY_KERNEL_MAX")) {
+            char* end = nullptr;
+            unsigned long long n = std::strtoull(v, &end, 10);
+            if (end && *end == '\0' && end != v) kernel_max_ = n;
+        }
+        if (kernel_max_ == 0) {
+            kernel_why_ = "FABRIC_CUDA_COPY_KERNEL_MAX=0";
+            return;
+        }
         if (!d.kernels()) {
             kernel_why_ = "the CUDA driver lacks the module, launch or pinned-memory calls";
             return;
@@ -942,12 +960,16 @@ class CudaIpcDomain : public Inner {
             for (size_t k = 0; k < n; k++) {
                 Pending& p = pending_[i + k];
                 int c = rc == 0 ? 0 : d.memcpy_dtod_async(p.seg.dst, p.seg.src, p.seg.len, stream_);
-                if (c == 0) {
+                if (c != 0 && copy_error_ == 0) copy_error_ = c;  // (a copy's segments are consecutive)
+                if (!p.last) continue;
+                if (copy_error_ == 0) {
                     inflight_.push_back(p.copy);
                     unmarked_++;
                 } else {  // (its busy_ count, taken when it was posted, goes with the later entry)
-                    later_.push_back(Later{p.copy.ctx, kTransport, "CUDA IPC: cuMemcpyDtoDAsync: " + d.error(c)});
+                    later_.push_back(
+                        Later{p.copy.ctx, kTransport, "CUDA IPC: cuMemcpyDtoDAsync: " + d.error(copy_error_)});
                 }
+                copy_error_ = 0;
             }
             i += n;
         }
@@ -1055,6 +1077,8 @@ class CudaIpcDomain : public Inner {
     cuda::CUdeviceptr ring_dev_ = 0;
     uint64_t ring_head_ = 0, ring_tail_ = 0;
     uint64_t launches_ = 0;
+    uint64_t kernel_max_ = kKernelMaxBytes;  // copies below this size go through the kernel
+    int copy_error_ = 0;  // flush_pending: a failed segment of the copy being flushed
     std::vector<Pending> pending_;
     std::string kernel_why_;
     // The imm inbox: this domain's (drained by poll), and the peer handles of the inner
