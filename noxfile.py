@@ -242,8 +242,9 @@ def ceiling(session: nox.Session) -> None:
 def gpu(session: nox.Session) -> None:
     """On a machine with a CUDA GPU: the GPU tests (tests/gpu), then the GPU benchmarks
     (benchmarks/gpu_bench.py → bench-results/gpu.json and .png; gpu_apps.py → apps.json;
-    gpu_per_wr.py → per-wr.txt). torch comes from the machine's own site-packages (its CUDA
-    build: the pinned CPU build of CI would not do)."""
+    gpu_per_wr.py → per-wr.txt); with two GPUs or more, the NCCL comparisons too (gpu_two.py →
+    two.json; gpu_two_apps.py → two-apps.json). torch comes from the machine's own
+    site-packages (its CUDA build: the pinned CPU build of CI would not do)."""
     _system_packages(session, "libfabric-dev", "g++", "cmake", "pkg-config")
     session.install(*[a for pkg in PACKAGES for a in ("-e", pkg)], "pytest", "hypothesis", "matplotlib")
     session.install("pybind11", "scikit-build-core")
@@ -257,6 +258,12 @@ def gpu(session: nox.Session) -> None:
     session.run("python", "benchmarks/gpu_apps.py", "--out", str(out / "apps.json"))
     with open(out / "per-wr.txt", "w") as f:
         session.run("python", "benchmarks/gpu_per_wr.py", stdout=f)
+    gpus = session.run(
+        "python", "-c", "import torch; print(torch.cuda.device_count())", silent=True, log=False
+    )
+    if gpus is not None and int(str(gpus).strip().splitlines()[-1]) >= 2:
+        session.run("python", "benchmarks/gpu_two.py", "--out", str(out / "two.json"))
+        session.run("python", "benchmarks/gpu_two_apps.py", "--out", str(out / "two-apps.json"))
 
 
 @nox.session(name="efa-bench")
