@@ -75,6 +75,7 @@ struct Driver {
     CUresult (*mem_free)(CUdeviceptr) = nullptr;
     CUresult (*mem_alloc_host)(void**, size_t) = nullptr;
     CUresult (*mem_free_host)(void*) = nullptr;
+    CUresult (*device_can_access_peer)(int*, int, int) = nullptr;  // (optional)
 
     static const Driver& get() {
         static Driver d = load();
@@ -140,6 +141,7 @@ struct Driver {
         load_as(d.mem_free, "cuMemFree_v2");
         load_as(d.mem_alloc_host, "cuMemAllocHost_v2");
         load_as(d.mem_free_host, "cuMemFreeHost");
+        load_as(d.device_can_access_peer, "cuDeviceCanAccessPeer");
         return d;
     }
 };

@@ -402,6 +402,7 @@ class CudaIpcDomain : public Inner {
     struct Opened {
         cuda::CUdeviceptr base = 0;
         size_t users = 0;
+        bool direct = false;  // this domain's device reaches it (its own, or a peer it can access)
     };
 
     void open_ipc(int device) {
@@ -583,6 +584,17 @@ class CudaIpcDomain : public Inner {
         return int(slot);
     }
 
+    // Can this domain's device (its kernels) reach memory of device ``ordinal``? Its own, or a
+    // peer it has P2P access to (NVLink, or PCIe P2P); the copy engines serve the rest.
+    bool reaches(int ordinal) const {
+        if (ordinal < 0) return false;
+        if (ordinal == ordinal_) return true;
+        const cuda::Driver& d = cuda::Driver::get();
+        int dev = 0, can = 0;
+        if (!d.device_can_access_peer || d.device_get(&dev, ordinal) != 0) return false;
+        return d.device_can_access_peer(&can, device_, dev) == 0 && can == 1;
+    }
+
     // The primary context of CUDA device ``ordinal``: this domain's own, or one retained on
     // first use (released at close). Falls back to ctx_ where the device cannot be had.
     cuda::CUcontext context_of(int ordinal) {
@@ -658,7 +670,7 @@ class CudaIpcDomain : public Inner {
                 c.base = snap.va - snap.offset;
                 // another engine's memory in this process: the kernel writes it only on this device
                 c.direct = cuda::device_ordinal(reinterpret_cast<void*>(c.base)) == ordinal_;
-            } else {  // opened in ctx_ (lazy peer access): this device's kernels reach it
+            } else {  // opened in ctx_ (lazy peer access): kernels here reach it where P2P does
                 c.handle.assign(snap.handle.reserved, sizeof(snap.handle.reserved));
                 Opened& o = opened_[c.handle];
                 if (o.base == 0) {
@@ -672,9 +684,11 @@ class CudaIpcDomain : public Inner {
                               " (is the peer's GPU visible to this process?)";
                         return false;
                     }
+                    o.direct = reaches(cuda::device_ordinal(reinterpret_cast<void*>(o.base)));
                 }
                 o.users++;
                 c.base = o.base;
+                c.direct = o.direct;
             }
             it = p.keys.emplace(rkey, std::move(c)).first;
             cached_.fetch_add(1, std::memory_order_relaxed);
