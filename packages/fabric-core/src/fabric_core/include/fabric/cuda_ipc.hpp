@@ -21,10 +21,9 @@
 //   copy-list kernel (fabric/cuda_copy_kernel.cu, a block per segment at a time: the
 //   segments go to the GPU through a pinned ring, one host-to-device copy per launch);
 //   larger copies, and all where the kernel cannot be loaded, are a cuMemcpy each (the copy
-//   engines). A paged write of
-//   thousands of pages is thus a few launches, not thousands of copy-engine operations (each
-//   of those costs a few microseconds of the stream, whatever its size). The poll then
-//   records one event for every copy queued since.
+//   engines). A paged write of thousands of pages is thus a few launches, not thousands of
+//   copy-engine operations (each of those costs a few microseconds of the stream, whatever
+//   its size). The poll then records one event for every copy queued since.
 // - poll() finds the finished copies (events, in order: one stream) and only then delivers the
 //   imms, so an imm arrives after its bytes are in place: the contract's "imm implies data".
 //   They go through the peer's imm inbox (fabric/imm_inbox.hpp: a lane of shared memory this
@@ -39,9 +38,10 @@
 //   inner domain reports its own.
 // - A peer whose process is gone, or whose engine closed, is kPeerUnreachable, checked before
 //   each copy (its process at most every kAliveCheckNs) and again, in the poll that finds the
-//   copy done, before the write is reported or its imm is sent: the provider would take a write into a dead
-//   process's shared memory and complete it (shm does), and the copy itself lands in memory
-//   this process keeps alive by its IPC mapping, so neither would say so.
+//   copy done, before the write is reported or its imm is sent: the provider would take a
+//   write into a dead process's shared memory and complete it (shm does), and the copy
+//   itself lands in memory this process keeps alive by its IPC mapping, so neither would
+//   say so.
 //
 // Deregistration bumps the slot's sequence: initiators see it on their next write to the key,
 // and a sweep (every kSweepNs while anything is cached) drops stale entries and closes the
