@@ -256,3 +256,41 @@ def test_router_takes_turns_among_equally_loaded_prefills(world: World) -> None:
         h.release()
         assert eventually(lambda: router.outstanding() == {})
     assert sorted(names) == ["p0", "p0", "p1", "p1", "p2", "p2"]
+
+
+def test_a_prefill_that_fails_its_hello_is_lost_or_tried_again_by_the_error(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``refresh`` connects each new prefill (HELLO). One found gone (``PeerUnreachable``) is
+    marked lost for everyone and never routed to; one that does not answer in time (another
+    ``FabricError``) is left alone and tried again at the next refresh."""
+    dec, members, router = _router(world)
+    _p0, m0 = _prefill(world, members, "p0")
+    p1, m1 = _prefill(world, members, "p1")
+    real = dec.connect
+    tried: list[bytes] = []
+
+    def connect(address: DomainAddress, timeout: float | None = None) -> None:
+        tried.append(address.raw)
+        if address == m0.address:
+            raise PeerUnreachable("p0 is gone", peer=address)
+        if address == m1.address and tried.count(address.raw) == 1:
+            raise TransferTimeout("p1 did not answer the hello in time")
+        real(address, timeout=timeout)
+
+    monkeypatch.setattr(dec, "connect", connect)
+    assert router.refresh() == ([], [])
+    assert members.get(0).state == "lost"
+    assert members.get(1).state == "up"
+    assert router.prefills() == []
+    with pytest.raises(NoPrefill):
+        router.receive("x", 2)
+    # the next refresh tries p1 again (and not p0: it is lost)
+    assert router.refresh() == ([m1], [])
+    assert tried.count(m0.address.raw) == 1 and tried.count(m1.address.raw) == 2
+    member, h = router.receive("y", 2)
+    assert member.name == "p1"
+    for job in serve(p1, {"y": [3, 4]}, 1):
+        job.wait(T)
+    h.wait(T)
+    h.release()
