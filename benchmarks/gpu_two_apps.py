@@ -25,8 +25,13 @@ writes, casts through the staging pool). NCCL equivalent: the same plan's writes
 trainer's start to the inference rank holding every byte (one monotonic clock: one host).
 Both destination buffers are compared byte for byte.
 
+The weights landed are also checked against the plan applied by ``torch`` at the inference
+rank (the trainer's buffer made again from its seed), with or without NCCL.
+
 ``GPU_TWO_APPS_CPU=1`` runs the same on host memory with gloo (a check of the script on a
 machine without GPUs; its figures mean nothing), ``GPU_TWO_APPS_LAYERS=n`` with n KV layers.
+``GPU_TWO_APPS_SAME_GPU=1`` puts both ranks on GPU 0 and leaves the NCCL halves out (NCCL
+refuses two ranks on one GPU): fabric's figures and checks only, on a one-GPU machine.
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ from gpu_apps import KV_BLOCKS, KV_PAGES, _kv_src
 WEIGHT_BYTES = 2 << 30
 DEV = "cpu" if os.environ.get("GPU_TWO_APPS_CPU") else "cuda"
 KV_LAYERS = int(os.environ.get("GPU_TWO_APPS_LAYERS", "80"))  # fewer for the script's check on CPU
+SAME = bool(os.environ.get("GPU_TWO_APPS_SAME_GPU"))
+BASELINE = not SAME  # the NCCL (or, on CPU, gloo) halves
 
 
 def _sync() -> None:
@@ -106,10 +113,13 @@ def _body(rank: int, port: int, reps: int, only: str | None) -> dict[str, Any]:
     from fabric_core import open_engine
 
     if DEV == "cuda":
-        torch.cuda.set_device(rank)  # before the engine: its CUDA IPC domain binds to this device
+        torch.cuda.set_device(0 if SAME else rank)  # before the engine: its CUDA IPC domain binds to it
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))  # type: ignore[attr-defined]
     dist.init_process_group(  # type: ignore[attr-defined]
-        "nccl" if DEV == "cuda" else "gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=2
+        "nccl" if DEV == "cuda" and not SAME else "gloo",
+        store=dist.PrefixStore("pg", store),
+        rank=rank,
+        world_size=2,
     )
     engine = open_engine("efa", efa_provider="shm")
     out: dict[str, Any] = {"details": {k: str(v) for k, v in engine.domains[0].details.items()}}
@@ -146,6 +156,8 @@ def _kv(rank: int, store: Any, engine: Any, reps: int) -> dict[str, Any]:
             for layer in range(KV_LAYERS):
                 job.write_layer(layer)
             job.wait(60)
+            if not BASELINE:
+                continue
             store.get(f"kv/nccl-go/{rep}")  # the decoder asks
             for layer in range(KV_LAYERS):
                 torch.index_select(caches[layer], 1, src, out=stage[layer])
@@ -178,6 +190,9 @@ def _kv(rank: int, store: Any, engine: Any, reps: int) -> dict[str, Any]:
             for layer in range(KV_LAYERS):
                 caches[layer][:, pages] = 0
             _sync()
+        if not BASELINE:
+            h.release()
+            continue
         # NCCL, into the same pages
         t0 = time.perf_counter()
         store.set(f"kv/nccl-go/{rep}", "1")
@@ -192,7 +207,8 @@ def _kv(rank: int, store: Any, engine: Any, reps: int) -> dict[str, Any]:
     store.set("kv/done", "1")
     dec.close(timeout=10)
     nbytes = KV_LAYERS * 2 * KV_PAGES * 16 * 8 * 128 * 2
-    f, c = statistics.median(fab[1:]), statistics.median(nccl[1:])  # the first maps the peer's memory
+    f = statistics.median(fab[1:])  # the first maps the peer's memory
+    c = statistics.median(nccl[1:]) if nccl else float("nan")
     return {
         "request": "Llama-3.1-70B, 4096 tokens: 256 pages x 80 layers x K,V of 32 KiB, scattered both ends",
         "bytes": nbytes,
@@ -205,6 +221,33 @@ def _kv(rank: int, store: Any, engine: Any, reps: int) -> dict[str, Any]:
         "fabric_ms_all": [x * 1e3 for x in fab],
         "nccl_ms_all": [x * 1e3 for x in nccl],
     }
+
+
+def _trainer_buffer(source: Any) -> Any:
+    """The trainer's buffer: random bf16 values that stay finite (exponent bits kept small, so
+    casts are defined), from a fixed seed, so that the inference rank can make it again."""
+    import torch
+
+    buf = source.layout(0).allocate(DEV)
+    g = torch.Generator(device=DEV).manual_seed(11)
+    buf.view(torch.int16).copy_(
+        torch.randint(0, 1 << 14, (buf.numel() // 2,), generator=g, device=DEV, dtype=torch.int16)
+    )
+    _sync()
+    return buf
+
+
+def _apply_plan(entries: list[Any], src: Any, dst: Any) -> Any:
+    """The plan's writes done by torch: what the destination must hold."""
+    import torch
+
+    for e in entries:
+        piece = src[e.src_offset : e.src_offset + e.src_length]
+        if e.cast is not None:
+            piece = piece.view(getattr(torch, e.cast[0])).to(getattr(torch, e.cast[1])).view(torch.uint8)
+        dst[e.dst_offset : e.dst_offset + e.length].copy_(piece)
+    _sync()
+    return dst
 
 
 def _weights(rank: int, store: Any, engine: Any, reps: int, cast: str | None) -> dict[str, Any]:
@@ -224,14 +267,7 @@ def _weights(rank: int, store: Any, engine: Any, reps: int, cast: str | None) ->
     fab: list[float] = []
     nccl: list[float] = []
     if rank == 0:
-        layout = source.layout(0)
-        buf = layout.allocate(DEV)
-        g = torch.Generator(device=DEV).manual_seed(11)
-        # random bf16 values that stay finite (exponent bits kept small), so casts are defined
-        buf.view(torch.int16).copy_(
-            torch.randint(0, 1 << 14, (buf.numel() // 2,), generator=g, device=DEV, dtype=torch.int16)
-        )
-        _sync()
+        buf = _trainer_buffer(source)
         sender = WeightsSender.connect(
             engine, store, rank=0, source=source, buffer=buf, prefix=prefix, timeout=120
         )
@@ -240,6 +276,8 @@ def _weights(rank: int, store: Any, engine: Any, reps: int, cast: str | None) ->
             t0 = time.perf_counter()
             store.set(f"{prefix}/t0/{rep}", repr(t0))
             sender.send_step(rep + 1, timeout=120)
+            if not BASELINE:
+                continue
             store.get(f"{prefix}/nccl-ready/{rep}")
             t0 = time.perf_counter()
             store.set(f"{prefix}/u0/{rep}", repr(t0))
@@ -260,11 +298,19 @@ def _weights(rank: int, store: Any, engine: Any, reps: int, cast: str | None) ->
     receiver = WeightsReceiver.connect(
         engine, store, rank=0, destination=destination, buffer=buf, prefix=prefix, timeout=120
     )
+    expected = _apply_plan(entries, _trainer_buffer(source), layout.allocate(DEV))
     for rep in range(reps + 1):
         store.set(f"{prefix}/ready/{rep}", "1")
         receiver.wait_step(rep + 1, timeout=120)
         t1 = time.perf_counter()
         fab.append(t1 - float(store.get(f"{prefix}/t0/{rep}")))
+        if rep == 0 and not torch.equal(buf, expected):
+            bad = int((buf != expected).sum().item())
+            raise SystemExit(
+                f"weights ({tag}): fabric landed other bytes than the plan applied by torch ({bad})"
+            )
+        if not BASELINE:
+            continue
         store.set(f"{prefix}/nccl-ready/{rep}", "1")
         for e in entries:
             dist.recv(ref[e.dst_offset : e.dst_offset + e.length], 0)
@@ -276,7 +322,8 @@ def _weights(rank: int, store: Any, engine: Any, reps: int, cast: str | None) ->
             raise SystemExit(f"weights ({tag}): fabric and NCCL landed different bytes ({bad} differ)")
     store.set(f"{prefix}/done", "1")
     receiver.close()
-    f, c = statistics.median(fab[1:]), statistics.median(nccl[1:])
+    f = statistics.median(fab[1:])
+    c = statistics.median(nccl[1:]) if nccl else float("nan")
     return {
         "model": f"synthetic {WEIGHT_BYTES / 1e9:.1f} GB bf16, 1 trainer -> 1 inference rank",
         "cast": cast,
