@@ -121,13 +121,15 @@ def test_a_rank_dying_mid_dispatch_fails_the_other_process_with_a_typed_error() 
         # About one run in 13, rank 0's own count write never completes either: a write to
         # the dead process was under way, and shm (1.17) completes an endpoint's operations
         # in order, so nothing after it completes (docs/concepts/failures.md, "Known limits").
-        # The step then ends at its 20 s deadline with TransferTimeout listing the missing
-        # counts: typed, bounded, no hang
+        # The step then ends at its 20 s deadline with TransferTimeout listing what is missing:
+        # its own token counts, or (when the counts got through first) its own tokens. Typed,
+        # bounded, no hang
         assert kind in {"PeerUnreachable", "TransferTimeout"} and "rank" in message, (kind, message)
         if kind == "PeerUnreachable":
             assert "rank 1" in message and elapsed < 10.0, (message, elapsed)
         else:
-            assert "token counts" in message and "received 0" in message, message
+            assert "token counts" in message or "tokens from rank(s)" in message, message
+            assert "received 0" in message, message
         assert elapsed < 30.0, f"the typed error took {elapsed:.1f} s"
     finally:
         for p in procs:

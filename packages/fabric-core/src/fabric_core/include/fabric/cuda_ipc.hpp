@@ -80,6 +80,7 @@
 #include <fabric/cuda_copy_kernel.hpp>
 #include <fabric/engine.hpp>
 #include <fabric/imm_inbox.hpp>
+#include <fabric/shm_orphans.hpp>
 
 namespace fabric::cuda_ipc {
 
@@ -154,16 +155,13 @@ class ContextScope {
     bool pushed_ = false;
 };
 
-// Removes the tables of processes that died without closing (kill -9): /dev/shm/fabric-ipc-<pid>-*.
+// Removes the tables and inboxes of processes that died without closing (kill -9):
+// /dev/shm/fabric-ipc-<pid>-*.
 inline void remove_orphan_tables() {
-    DIR* dir = opendir("/dev/shm");
-    if (!dir) return;
-    while (dirent* e = readdir(dir)) {
+    remove_orphans("/dev/shm", [](const char* name) {
         int pid = 0;
-        if (std::sscanf(e->d_name, "fabric-ipc-%d-", &pid) != 1 || pid <= 0) continue;
-        if (kill(pid, 0) == -1 && errno == ESRCH) shm_unlink((std::string("/") + e->d_name).c_str());
-    }
-    closedir(dir);
+        return std::sscanf(name, "fabric-ipc-%d-", &pid) == 1 ? pid : 0;
+    });
 }
 
 template <class Inner>
