@@ -115,20 +115,22 @@ def _rank(rank: int, conn: Any, barrier: Any, steps: int, warmup: int, profile: 
 KV_LAYERS, KV_BLOCKS, KV_PAGES = 80, 512, 256
 
 
-def _kv_caches(fill: bool) -> list[Any]:
+def _kv_caches(fill: bool, device: str = "cuda", layers: int = KV_LAYERS) -> list[Any]:
+    """``layers`` Llama-3.1-70B layer caches on ``device``: zeros, or random (seed 9, so that
+    another process makes the same ones)."""
     import torch
 
     from fabric_apps.kvcache import llama31_70b
 
     shape = llama31_70b(KV_BLOCKS).accepted_shapes()[0]
-    g = torch.Generator(device="cuda").manual_seed(9)
+    g = torch.Generator(device=device).manual_seed(9)
     if not fill:
-        return [torch.zeros(shape, dtype=torch.bfloat16, device="cuda") for _ in range(KV_LAYERS)]
+        return [torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(layers)]
     return [
-        torch.randint(-(1 << 15), 1 << 15, shape, dtype=torch.int16, device="cuda", generator=g).view(
+        torch.randint(-(1 << 15), 1 << 15, shape, dtype=torch.int16, device=device, generator=g).view(
             torch.bfloat16
         )
-        for _ in range(KV_LAYERS)
+        for _ in range(layers)
     ]
 
 

@@ -24,6 +24,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -35,13 +36,38 @@ def _burst(size: int) -> int:
     return max(1, min(32, (256 * MiB) // size))
 
 
-def _rank(rank: int, port: int, reps: int, latency_reps: int, conn: Any, nccl_on: bool = True) -> None:
+def _ranked(body: Callable[..., Any], rank: int, conn: Any, args: tuple[Any, ...]) -> None:
     try:
-        conn.send(("ok", _body(rank, port, reps, latency_reps, nccl_on)))
+        conn.send(("ok", body(rank, *args)))
     except BaseException as exc:
         import traceback
 
-        conn.send(("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"))
+        conn.send(("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"))
+
+
+def run_two_ranks(body: Callable[..., Any], *args: Any) -> list[Any]:
+    """``body(rank, *args)`` in a spawned process for rank 0 and one for rank 1 (``body`` must
+    be a module-level function); their results in rank order. A rank that raises, or dies,
+    ends the run with ``SystemExit`` naming it, never a hang. Shared by gpu_two_apps.py."""
+    ctx = mp.get_context("spawn")
+    pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
+    procs = [ctx.Process(target=_ranked, args=(body, r, pipes[r][1], args)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for _, there in pipes:
+        there.close()  # a rank that dies then ends our recv with EOFError, not a hang
+    got = []
+    for r in range(2):
+        try:
+            got.append(pipes[r][0].recv())
+        except EOFError:
+            got.append(("error", f"rank {r} died (exit code {procs[r].join(10) or procs[r].exitcode})"))
+    for p in procs:
+        p.join(60)
+    bad = [body for status, body in got if status != "ok"]
+    if bad:
+        raise SystemExit("; ".join(bad))
+    return [body for _, body in got]
 
 
 def _body(rank: int, port: int, reps: int, latency_reps: int, nccl_on: bool = True) -> Any:
@@ -184,31 +210,7 @@ def main() -> None:
     ap.add_argument("--fabric-only", action="store_true", help="Leave NCCL's transfers out.")
     args = ap.parse_args()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
-    ctx = mp.get_context("spawn")
-    pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
-    procs = [
-        ctx.Process(
-            target=_rank,
-            args=(r, store.port, args.reps, args.latency_reps, pipes[r][1], not args.fabric_only),
-        )
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    for _, there in pipes:
-        there.close()  # a rank that dies then ends our recv with EOFError, not a hang
-    got = []
-    for r in range(2):
-        try:
-            got.append(pipes[r][0].recv())
-        except EOFError:
-            got.append(("error", f"rank {r} died (exit code {procs[r].join(10) or procs[r].exitcode})"))
-    for p in procs:
-        p.join(60)
-    bad = [body for status, body in got if status != "ok"]
-    if bad:
-        raise SystemExit("; ".join(bad))
-    result = got[0][1]
+    result = run_two_ranks(_body, store.port, args.reps, args.latency_reps, not args.fabric_only)[0]
     result["reps"] = args.reps
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

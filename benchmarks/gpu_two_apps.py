@@ -37,8 +37,8 @@ refuses two ranks on one GPU): fabric's figures and checks only, on a one-GPU ma
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -50,7 +50,9 @@ os.environ.setdefault("FI_TCP_IFACE", "lo")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import gpu_apps
 from gpu_apps import KV_BLOCKS, KV_PAGES, _kv_src
+from gpu_two import run_two_ranks
 
 WEIGHT_BYTES = 2 << 30
 DEV = "cpu" if os.environ.get("GPU_TWO_APPS_CPU") else "cuda"
@@ -68,42 +70,13 @@ def _sync() -> None:
 
 def _kv_layout() -> Any:
     """Llama-3.1-70B's (with KV_LAYERS layers)."""
-    from fabric_apps.kvcache import KvLayout, llama31_70b
+    from fabric_apps.kvcache import llama31_70b
 
-    full = llama31_70b(KV_BLOCKS)
-    return KvLayout(
-        KV_LAYERS,
-        full.num_blocks,
-        full.block_size,
-        full.num_kv_heads,
-        full.head_dim,
-        full.dtype,
-        full.kv_split,
-    )
+    return dataclasses.replace(llama31_70b(KV_BLOCKS), num_layers=KV_LAYERS)
 
 
 def _kv_caches(fill: bool) -> list[Any]:
-    import torch
-
-    shape = _kv_layout().accepted_shapes()[0]
-    g = torch.Generator(device=DEV).manual_seed(9)
-    if not fill:
-        return [torch.zeros(shape, dtype=torch.bfloat16, device=DEV) for _ in range(KV_LAYERS)]
-    return [
-        torch.randint(-(1 << 15), 1 << 15, shape, dtype=torch.int16, device=DEV, generator=g).view(
-            torch.bfloat16
-        )
-        for _ in range(KV_LAYERS)
-    ]
-
-
-def _rank(rank: int, port: int, reps: int, only: str | None, conn: Any) -> None:
-    try:
-        conn.send(("ok", _body(rank, port, reps, only)))
-    except BaseException as exc:
-        import traceback
-
-        conn.send(("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"))
+    return gpu_apps._kv_caches(fill, DEV, KV_LAYERS)
 
 
 def _body(rank: int, port: int, reps: int, only: str | None) -> dict[str, Any]:
@@ -237,15 +210,21 @@ def _trainer_buffer(source: Any) -> Any:
     return buf
 
 
-def _apply_plan(entries: list[Any], src: Any, dst: Any) -> Any:
-    """The plan's writes done by torch: what the destination must hold."""
+def _entry_bytes(src: Any, e: Any) -> Any:
+    """The bytes one plan write lands: its source range, cast by torch where the plan casts."""
     import torch
 
+    piece = src[e.src_offset : e.src_offset + e.src_length]
+    if e.cast is not None:
+        piece = piece.view(getattr(torch, e.cast[0])).to(getattr(torch, e.cast[1])).view(torch.uint8)
+    return piece.contiguous()
+
+
+def _apply_plan(entries: list[Any], src: Any, dst: Any) -> Any:
+    """The plan's writes done by torch: what the destination must hold."""
+
     for e in entries:
-        piece = src[e.src_offset : e.src_offset + e.src_length]
-        if e.cast is not None:
-            piece = piece.view(getattr(torch, e.cast[0])).to(getattr(torch, e.cast[1])).view(torch.uint8)
-        dst[e.dst_offset : e.dst_offset + e.length].copy_(piece)
+        dst[e.dst_offset : e.dst_offset + e.length].copy_(_entry_bytes(src, e))
     _sync()
     return dst
 
@@ -282,12 +261,7 @@ def _weights(rank: int, store: Any, engine: Any, reps: int, cast: str | None) ->
             t0 = time.perf_counter()
             store.set(f"{prefix}/u0/{rep}", repr(t0))
             for e in entries:
-                piece = buf[e.src_offset : e.src_offset + e.src_length]
-                if e.cast is not None:
-                    piece = (
-                        piece.view(getattr(torch, e.cast[0])).to(getattr(torch, e.cast[1])).view(torch.uint8)
-                    )
-                dist.send(piece.contiguous(), 1)
+                dist.send(_entry_bytes(buf, e), 1)
             _sync()
         store.get(f"{prefix}/done")
         sender.close()
@@ -347,27 +321,7 @@ def main() -> None:
     ap.add_argument("--only", choices=["kv", "weights"], default=None)
     args = ap.parse_args()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
-    ctx = mp.get_context("spawn")
-    pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
-    procs = [
-        ctx.Process(target=_rank, args=(r, store.port, args.reps, args.only, pipes[r][1])) for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    for _, there in pipes:
-        there.close()  # a rank that dies then ends our recv with EOFError, not a hang
-    got = []
-    for r in range(2):
-        try:
-            got.append(pipes[r][0].recv())
-        except EOFError:
-            got.append(("error", f"rank {r} died (exit code {procs[r].join(10) or procs[r].exitcode})"))
-    for p in procs:
-        p.join(60)
-    bad = [body for status, body in got if status != "ok"]
-    if bad:
-        raise SystemExit("; ".join(bad))
-    result = got[1][1]
+    result = run_two_ranks(_body, store.port, args.reps, args.only)[1]
     result["reps"] = args.reps
     result["gpus"] = [torch.cuda.get_device_name(d) for d in range(torch.cuda.device_count())]
     result["torch"] = torch.__version__

@@ -31,15 +31,9 @@
 #include <thread>
 #include <vector>
 
-namespace {
+#include "check.hpp"
 
-#define CHECK(cond)                                                                       \
-    do {                                                                                  \
-        if (!(cond)) {                                                                    \
-            std::fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
-            std::exit(1);                                                                 \
-        }                                                                                 \
-    } while (0)
+namespace {
 
 using fabric::inbox::Receiver;
 using fabric::inbox::Sender;

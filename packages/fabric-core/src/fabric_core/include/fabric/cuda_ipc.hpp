@@ -952,6 +952,7 @@ class CudaIpcDomain : public Inner {
     // fails is copied a cuMemcpy per segment.
     void flush_pending() {
         const cuda::Driver& d = cuda::Driver::get();
+        int copy_error = 0;  // a failed segment of the copy being flushed (its segments are consecutive)
         for (size_t i = 0; i < pending_.size();) {
             size_t n = std::min(pending_.size() - i, kMaxLaunch);
             size_t at = 0;
@@ -967,21 +968,20 @@ class CudaIpcDomain : public Inner {
                     unsigned blocks = unsigned(std::min<size_t>(n, kKernelBlocks));
                     rc = d.launch_kernel(kernel_fn_, blocks, 1, 1, kKernelThreads, 1, 1, 0, stream_, args, nullptr);
                 }
-                if (rc == 0) launches_++;
             }
             for (size_t k = 0; k < n; k++) {
                 Pending& p = pending_[i + k];
                 int c = rc == 0 ? 0 : d.memcpy_dtod_async(p.seg.dst, p.seg.src, p.seg.len, stream_);
-                if (c != 0 && copy_error_ == 0) copy_error_ = c;  // (a copy's segments are consecutive)
+                if (c != 0 && copy_error == 0) copy_error = c;
                 if (!p.last) continue;
-                if (copy_error_ == 0) {
+                if (copy_error == 0) {
                     inflight_.push_back(p.copy);
                     unmarked_++;
                 } else {  // (its busy_ count, taken when it was posted, goes with the later entry)
                     later_.push_back(
-                        Later{p.copy.ctx, kTransport, "CUDA IPC: cuMemcpyDtoDAsync: " + d.error(copy_error_)});
+                        Later{p.copy.ctx, kTransport, "CUDA IPC: cuMemcpyDtoDAsync: " + d.error(copy_error)});
                 }
-                copy_error_ = 0;
+                copy_error = 0;
             }
             i += n;
         }
@@ -1088,9 +1088,7 @@ class CudaIpcDomain : public Inner {
     Seg* ring_host_ = nullptr;
     cuda::CUdeviceptr ring_dev_ = 0;
     uint64_t ring_head_ = 0, ring_tail_ = 0;
-    uint64_t launches_ = 0;
     uint64_t kernel_max_ = kKernelMaxBytes;  // copies below this size go through the kernel
-    int copy_error_ = 0;  // flush_pending: a failed segment of the copy being flushed
     std::vector<Pending> pending_;
     std::string kernel_why_;
     // The imm inbox: this domain's (drained by poll), and the peer handles of the inner

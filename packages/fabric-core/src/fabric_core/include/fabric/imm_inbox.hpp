@@ -126,27 +126,20 @@ class Receiver {
             Lane& l = box_->lanes[i];
             uint64_t owner = l.owner.load(std::memory_order_acquire);
             if (owner == 0 || l.ready.load(std::memory_order_acquire) != owner) continue;
+            // whether the owner let go (or is gone) is read before the tail: a sender publishes
+            // its last records before it lets go, so a lane drained here is then empty for good
+            bool let_go = l.released.load(std::memory_order_acquire) == owner ||
+                          (reap && process_gone(owner >> 32));
             uint64_t head = l.head.load(std::memory_order_relaxed);
             uint64_t tail = l.tail.load(std::memory_order_acquire);
-            if (tail != head) {
-                for (uint64_t k = head; k != tail; k++) {
-                    const Record& r = l.records[k & (kLaneRecords - 1)];
-                    fn(i, owner, l.addr, size_t(l.addr_len), r.imm, r.count);
-                    n++;
-                }
-                l.head.store(tail, std::memory_order_release);
-            }
-            bool let_go = l.released.load(std::memory_order_acquire) == owner;
-            if (!let_go && reap && process_gone(owner >> 32)) let_go = true;
-            if (!let_go) continue;
-            // the owner is gone or let go: what it published before is counted above (it
-            // published before it let go); free the lane for another sender
-            uint64_t last = l.tail.load(std::memory_order_acquire);
-            for (uint64_t k = tail; k != last; k++) {
+            for (uint64_t k = head; k != tail; k++) {
                 const Record& r = l.records[k & (kLaneRecords - 1)];
                 fn(i, owner, l.addr, size_t(l.addr_len), r.imm, r.count);
                 n++;
             }
+            if (tail != head) l.head.store(tail, std::memory_order_release);
+            if (!let_go) continue;
+            // free the lane for another sender
             l.ready.store(0, std::memory_order_relaxed);
             l.released.store(0, std::memory_order_relaxed);
             l.tail.store(0, std::memory_order_relaxed);
