@@ -50,16 +50,21 @@ def test_a_run_joins_a_decoder_kills_a_prefill_and_leaks_nothing(model: str) -> 
     assert jobs["prefill-0"] is None and set(jobs["prefill-1"]) == {"ok"} and jobs["prefill-1"]["ok"] > 0
     checked = sum(d["checked"] for d in s["per_decoder"].values())
     assert checked >= s["completed"] + t["requests"]  # the warm-up's requests are checked too
-    # each decoder compares every verify_every-th of its own requests byte for byte
-    assert all(d["verified"] == d["checked"] // spec.verify_every for d in s["per_decoder"].values())
+    # each decoder compares every verify_every-th of its own serve-phase requests byte for byte
+    assert all(d["verified"] == d["completed"] // spec.verify_every for d in s["per_decoder"].values())
+    assert sum(d["verified"] for d in s["per_decoder"].values()) > 0
     doc = result.to_json()
     assert doc["kind"] == "kv" and doc["layout"]["layers"] == 2 and doc["ceiling"] is None
 
 
 def test_without_faults_nothing_fails() -> None:
-    spec = kvb.KvBenchSpec(model="llama70b", add_decode=False, kill_prefill=False, prefills=1, **SMALL)
+    spec = kvb.KvBenchSpec(
+        model="llama70b", add_decode=False, kill_prefill=False, prefills=1, verify_throughput=True, **SMALL
+    )
     s = kvb.run_kv_bench(spec).serve
     assert s["failed"] == 0 and s["completed"] == s["arrived"] - s["not_issued"]
+    # with verify_throughput, every verify_every-th request of both phases is byte-compared
+    assert all(d["verified"] == d["checked"] // spec.verify_every for d in s["per_decoder"].values())
     assert "kill_prefill" not in s["events_s"] and list(s["per_decoder"]) == ["decode-0"]
 
 

@@ -39,7 +39,8 @@ from fabric_core import ConfigError, EngineClosed, PeerUnreachable, TransferTime
 GEOMETRY = dict(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8)
 
 # (decoder layout, prefill layout): both vLLM-style, SGLang feeding vLLM, vLLM-FlashInfer
-# feeding SGLang, and an MLA latent cache in bf16 torch tensors on both sides
+# feeding SGLang, an MLA latent cache in bf16 torch tensors on both sides, and FlashInfer-style
+# on both sides (K and V of a page in one write)
 PAIRS: list[tuple[KvLayout, KvLayout]] = [
     (KvLayout(**GEOMETRY, num_blocks=24, dtype="float16", kv_split="stacked"),
      KvLayout(**GEOMETRY, num_blocks=32, dtype="float16", kv_split="stacked")),
@@ -49,6 +50,8 @@ PAIRS: list[tuple[KvLayout, KvLayout]] = [
      KvLayout(**GEOMETRY, num_blocks=32, dtype="float16", kv_split="interleaved")),
     (KvLayout.mla(num_layers=3, num_blocks=24, block_size=4, latent_dim=72, dtype="bfloat16"),
      KvLayout.mla(num_layers=3, num_blocks=32, block_size=4, latent_dim=72, dtype="bfloat16")),
+    (KvLayout(**GEOMETRY, num_blocks=24, dtype="float16", kv_split="interleaved"),
+     KvLayout(**GEOMETRY, num_blocks=32, dtype="float16", kv_split="interleaved")),
 ]  # fmt: skip
 SMALL = KvLayout(**GEOMETRY, num_blocks=8, dtype="float16", kv_split="stacked")
 
@@ -97,7 +100,8 @@ def test_every_page_lands_exactly_and_nothing_else_changes(world: World, fabric_
     assert sorted(fired) == sorted(h.request_id for h in handles)
     by_id = {j.request.request_id: j for j in jobs}
     for h in handles:
-        assert h.expected_imms == by_id[h.request_id].imms_sent == h.pages.size * len(dlayout.segments) * 3
+        writes = 1 if dlayout.kv_split == playout.kv_split == "interleaved" else len(dlayout.segments)
+        assert h.expected_imms == by_id[h.request_id].imms_sent == h.pages.size * writes * 3
         assert dec.engine.counter(h.imm).value == 0
     assert dec.engine.stats().imms_received == sum(h.expected_imms for h in handles)
     for h in handles:

@@ -21,6 +21,7 @@ from fabric_apps.kvcache import (
     PageStateError,
     deepseek_v3,
     llama31_70b,
+    write_units,
 )
 from fabric_apps.kvcache import protocol as wire
 from fabric_core import ConfigError
@@ -85,6 +86,57 @@ def test_segments_address_every_page_once(
                 for p in range(layout.num_blocks):
                     cover[s.offset + p * s.stride : s.offset + p * s.stride + layout.page_bytes] += 1
         assert (cover == 1).all()
+
+
+@pytest.mark.parametrize("src", ["stacked", "interleaved", "separate"])
+@pytest.mark.parametrize("dst", ["stacked", "interleaved", "separate"])
+def test_write_units_fuse_k_and_v_only_when_both_sides_interleave(src: str, dst: str) -> None:
+    a = KvLayout(**SMALL, kv_split=src)  # type: ignore[arg-type]
+    b = KvLayout(**{**SMALL, "num_blocks": 9}, kv_split=dst)  # type: ignore[arg-type]
+    units = write_units(a, b)
+    if src == dst == "interleaved":  # a page's K and V lie back to back on both sides: one write
+        assert len(units) == 1 and units[0].names == ("k", "v") and units[0].length == 2 * 128
+        assert units[0].src == a.segments[0] and units[0].dst == b.segments[0]
+    else:
+        assert [u.names for u in units] == [("k",), ("v",)] and {u.length for u in units} == {128}
+        assert [u.src for u in units] == list(a.segments) and [u.dst for u in units] == list(b.segments)
+    # whatever the grouping, the units move every byte of every segment's page, once
+    for lay, side in ((a, "src"), (b, "dst")):
+        spans = sorted(
+            (getattr(u, side).tensor, getattr(u, side).offset + p * getattr(u, side).stride + i)
+            for u in units
+            for p in range(lay.num_blocks)
+            for i in range(u.length)
+        )
+        want = sorted(
+            (s.tensor, s.offset + p * s.stride + i)
+            for s in lay.segments
+            for p in range(lay.num_blocks)
+            for i in range(lay.page_bytes)
+        )
+        assert spans == want
+
+
+def test_write_units_keep_a_single_page_cache_apart_and_refuse_other_formats() -> None:
+    # stacked with one block: V's page starts where K's ends, but the stride would make two
+    # pages of a fused write overlap, so they stay two writes
+    one = KvLayout(**{**SMALL, "num_blocks": 1}, kv_split="stacked")
+    assert [u.names for u in write_units(one, one)] == [("k",), ("v",)]
+    mla = KvLayout.mla(num_layers=2, num_blocks=4, block_size=4, latent_dim=16, dtype="float16")
+    assert [(u.names, u.length) for u in write_units(mla, mla)] == [(("latent",), mla.page_bytes)]
+    with pytest.raises(ConfigError, match="page formats differ"):
+        write_units(mla, KvLayout(**SMALL, kv_split="stacked"))
+
+
+def test_the_ack_carries_the_prefill_layout() -> None:
+    lay = KvLayout(**SMALL, kv_split="interleaved")
+    for ack in (wire.Ack(True, 2, 1 << 30, lay), wire.Ack(False, 1, 4096, lay, "page formats differ")):
+        assert wire.decode(wire.encode(ack)) == ack
+    raw = wire.encode(wire.Ack(True, 2, 1 << 30, lay))
+    with pytest.raises(wire.ProtocolError, match="ACK"):
+        wire.decode(raw[:20])  # the layout cut short
+    with pytest.raises(wire.ProtocolError):
+        wire.decode(raw[:20] + b"x" + raw[21:])  # not a layout document
 
 
 def test_check_names_what_to_fix() -> None:

@@ -24,7 +24,7 @@ from .errors import (
     RequestCancelled,
 )
 from .imms import DEFAULT_IMM_BASE, DEFAULT_IMM_SLOTS, ImmPool, ImmPoolStats
-from .layout import DType, KvLayout, KvSplit, Segment, deepseek_v3, llama31_70b
+from .layout import DType, KvLayout, KvSplit, Segment, WriteUnit, deepseek_v3, llama31_70b, write_units
 from .membership import KvMembership, Member, MemberState, NoPrefill, PrefillRouter, Role
 from .prefill import DecodeRequest, KvPrefiller, PrefillerStats, PrefillJob
 
@@ -34,8 +34,10 @@ __all__ = [
     "KvLayout",
     "KvSplit",
     "Segment",
+    "WriteUnit",
     "deepseek_v3",
     "llama31_70b",
+    "write_units",
     # pages and imms
     "AllocatorStats",
     "PageAllocator",

@@ -49,7 +49,7 @@ from ._sync import Guard
 from .allocator import PageAllocator, Pages, as_pages
 from .errors import RequestCancelled
 from .imms import DEFAULT_IMM_BASE, DEFAULT_IMM_SLOTS, ImmPool
-from .layout import KvLayout
+from .layout import KvLayout, WriteUnit, write_units
 
 __all__ = ["DecoderStats", "KvDecoder", "KvReceive"]
 
@@ -209,6 +209,8 @@ class _Peer:
     ready: bool = False
     num_nics: int = 0
     max_msg_size: int = 0
+    units: tuple[WriteUnit, ...] = ()
+    """The prefill's paged writes per layer (``write_units`` of its layout and this one's)."""
     error: BaseException | None = None
     lost: BaseException | None = None
 
@@ -342,12 +344,13 @@ class KvDecoder:
         return self._expected(peer, pages, self.imms.base)
 
     def _expected(self, peer: _Peer, pages: Pages, imm: int) -> int:
-        # The prefill submits one PagedWriteRequest per layer and segment; the count depends on
-        # the page count, page length, the sender's NIC count and max message size only, so the
-        # decoder plans the same request over its own region of layer 0 (every layer has the
-        # same geometry). The prefill checks its real requests against this number.
+        # The prefill submits one PagedWriteRequest per layer and write unit; the count depends
+        # on the page count, the unit's length, the sender's NIC count and max message size
+        # only, so the decoder plans the same request over its own region of layer 0 (every
+        # layer has the same geometry). The prefill checks its real requests against this number.
         per_layer = 0
-        for seg in self.layout.segments:
+        for unit in peer.units:
+            seg = unit.dst
             region = self._cache.regions[0][seg.tensor]
             request = PagedWriteRequest(
                 region,
@@ -356,7 +359,7 @@ class KvDecoder:
                 region.descriptor,
                 pages,
                 seg.stride,
-                self.layout.page_bytes,
+                unit.length,
                 seg.offset,
                 seg.offset,
                 imm,
@@ -730,8 +733,13 @@ class KvDecoder:
                 "both sides must use the same NIC count"
             )
         else:
-            peer.num_nics, peer.max_msg_size = ack.num_nics, ack.max_msg_size
-            peer.ready = True
+            try:
+                units = write_units(ack.layout, self.layout)
+            except ConfigError as exc:
+                peer.error = ConfigError(f"prefill {peer.address} accepted a layout it cannot write: {exc}")
+            else:
+                peer.num_nics, peer.max_msg_size, peer.units = ack.num_nics, ack.max_msg_size, units
+                peer.ready = True
         peer.event.set()
 
     def _engine_gone(self) -> None:

@@ -41,8 +41,10 @@ __all__ = [
     "KvLayout",
     "KvSplit",
     "Segment",
+    "WriteUnit",
     "deepseek_v3",
     "llama31_70b",
+    "write_units",
 ]
 
 logger = logging.getLogger(__name__)
@@ -73,6 +75,48 @@ class Segment:
     tensor: int
     offset: int
     stride: int
+
+
+@dataclass(frozen=True, slots=True)
+class WriteUnit:
+    """What one paged write per layer moves: the segments ``names``, ``length`` bytes per page,
+    read with the prefill's geometry ``src`` and written with the decoder's ``dst`` (each a
+    ``Segment`` whose page ``p`` starts at ``offset + p * stride``)."""
+
+    names: tuple[str, ...]
+    src: Segment
+    dst: Segment
+    length: int
+
+
+def write_units(src: KvLayout, dst: KvLayout) -> tuple[WriteUnit, ...]:
+    """The paged writes a prefill of layout ``src`` makes per layer to a decoder of layout
+    ``dst``: one per segment, except that consecutive segments lying back to back in one
+    tensor, at one stride, on **both** sides go as one write. Two interleaved caches
+    (``[num_blocks, 2, ...]``) move a page's K and V in one 64 KiB write for Llama-70B instead
+    of two of 32 KiB; any other pairing keeps one write per segment.
+
+    Both sides compute this from the two layouts (the decoder learns the prefill's from its
+    ACK), so the decoder's expected imm count and the prefill's writes agree.
+    ``ConfigError`` if the page formats differ."""
+    src.check_compatible(dst)
+    page = src.page_bytes
+    units: list[WriteUnit] = []
+    for a, b in zip(src.segments, dst.segments, strict=True):
+        if units:
+            last = units[-1]
+            grown = last.length + page
+            if all(
+                new.tensor == old.tensor
+                and new.stride == old.stride
+                and new.offset == old.offset + last.length
+                and old.stride >= grown
+                for new, old in ((a, last.src), (b, last.dst))
+            ):
+                units[-1] = WriteUnit((*last.names, a.name), last.src, last.dst, grown)
+                continue
+        units.append(WriteUnit((a.name,), a, b, page))
+    return tuple(units)
 
 
 def _is_torch(obj: object) -> bool:

@@ -48,7 +48,7 @@ from ._cache import RegisteredCache
 from ._sync import Guard
 from .allocator import Pages, as_pages
 from .errors import RequestAborted, RequestCancelled
-from .layout import KvLayout, Segment
+from .layout import KvLayout, WriteUnit, write_units
 
 __all__ = ["DecodeRequest", "KvPrefiller", "PrefillJob", "PrefillerStats"]
 
@@ -90,7 +90,8 @@ class _Decoder:
     address: DomainAddress
     layout: KvLayout
     descriptors: tuple[tuple[MemoryRegionDescriptor, ...], ...]
-    segments: dict[str, Segment]
+    units: tuple[WriteUnit, ...]
+    """The paged writes per layer (``write_units`` of this prefill's layout and the decoder's)."""
     lost: BaseException | None = None
     finished: deque[int] = field(default_factory=deque)
     finished_set: set[int] = field(default_factory=set)
@@ -236,7 +237,6 @@ class KvPrefiller:
         self.max_inflight = max_inflight
         self._poll = poll_interval_s
         self._cache = RegisteredCache(engine, layout, caches)
-        self._segments = {s.name: s for s in layout.segments}
         self._slots = threading.BoundedSemaphore(max_inflight)
         self._lock = Guard()
         self._arrived = threading.Condition(self._lock.rlock)
@@ -347,7 +347,7 @@ class KvPrefiller:
             if int(src.min()) < 0 or int(src.max()) >= self.layout.num_blocks:
                 raise ConfigError(f"src_pages must lie in [0, {self.layout.num_blocks}) (this cache's pages)")
             requests = [
-                [self._paged(layer, name, inc, src) for name in self._segments]
+                [self._paged(layer, unit, inc, src) for unit in inc.decoder.units]
                 for layer in range(self.layout.num_layers)
             ]
             # The decoder armed its counter with its own computation: hold it to what the
@@ -370,8 +370,8 @@ class KvPrefiller:
         self._jobs[key] = job
         return job
 
-    def _paged(self, layer: int, name: str, inc: _Incoming, src: Pages) -> PagedWriteRequest:
-        own, theirs = self._segments[name], inc.decoder.segments[name]
+    def _paged(self, layer: int, unit: WriteUnit, inc: _Incoming, src: Pages) -> PagedWriteRequest:
+        own, theirs = unit.src, unit.dst
         return PagedWriteRequest(
             self._cache.regions[layer][own.tensor],
             src,
@@ -379,7 +379,7 @@ class KvPrefiller:
             inc.decoder.descriptors[layer][theirs.tensor],
             inc.dst,
             theirs.stride,
-            self.layout.page_bytes,
+            unit.length,
             own.offset,
             theirs.offset,
             inc.imm,
@@ -564,7 +564,7 @@ class KvPrefiller:
                 for i in range(layout.num_layers)
             )
             old = self._decoders.get(peer.raw)
-            dec = _Decoder(peer, layout, descs, {s.name: s for s in layout.segments})
+            dec = _Decoder(peer, layout, descs, write_units(self.layout, layout))
             if old is not None:  # a decoder reconnecting keeps its request history
                 dec.finished, dec.finished_set, dec.tombstones = (
                     old.finished,
@@ -572,13 +572,13 @@ class KvPrefiller:
                     old.tombstones,
                 )
             self._decoders[peer.raw] = dec
-        tmp = _Decoder(peer, layout, (), {})
-        self._reply(tmp, wire.Ack(not error, caps.num_nics, caps.max_msg_size, error))
+        tmp = _Decoder(peer, layout, (), ())
+        self._reply(tmp, wire.Ack(not error, caps.num_nics, caps.max_msg_size, self.layout, error))
 
     def _on_request(self, peer: DomainAddress, msg: wire.Request) -> None:
         dec = self._decoders.get(peer.raw)
         if dec is None:
-            tmp = _Decoder(peer, self.layout, (), {})
+            tmp = _Decoder(peer, self.layout, (), ())
             self._reply(
                 tmp, wire.Done(msg.seq, wire.Status.REJECTED, True, 0, "ConfigError", "connect first")
             )

@@ -8,7 +8,8 @@ kind     direction         body
 ======== ================= ===========================================================
 HELLO    decode → prefill  the decoder's layout (JSON) and its per-layer descriptors
                            (zlib of the descriptors' ``to_bytes()``), once per peer
-ACK      prefill → decode  accepted or why not, the prefill's NIC count and max message size
+ACK      prefill → decode  accepted or why not, the prefill's NIC count, max message size
+                           and layout (JSON: the decoder derives the writes it will get)
 REQUEST  decode → prefill  seq, imm, expected imm count, prefix pages skipped, request id,
                            destination pages (raw u32 or runs, whichever is shorter)
 CANCEL   decode → prefill  seq
@@ -63,9 +64,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 MAGIC = b"FKV"
-VERSION = 1
+VERSION = 2  # 2: the ACK carries the prefill's layout
 _HDR = struct.Struct("<3sBB")
-_ACK = struct.Struct("<BHQ")
+_ACK = struct.Struct("<BHQI")
 _REQ = struct.Struct("<QIQIIBH")
 _SEQ = struct.Struct("<Q")
 _DONE = struct.Struct("<QBBQH")
@@ -107,6 +108,7 @@ class Ack:
     ok: bool
     num_nics: int
     max_msg_size: int
+    layout: KvLayout
     error: str = ""
 
 
@@ -194,9 +196,11 @@ def encode(msg: Msg) -> bytes:
         body = struct.pack("<IH", len(layout), len(msg.descriptors)) + layout + zlib.compress(blob)
         return _HDR.pack(MAGIC, VERSION, Kind.HELLO) + body
     if isinstance(msg, Ack):
+        layout = msg.layout.to_json().encode()
         return (
             _HDR.pack(MAGIC, VERSION, Kind.ACK)
-            + _ACK.pack(msg.ok, msg.num_nics, msg.max_msg_size)
+            + _ACK.pack(msg.ok, msg.num_nics, msg.max_msg_size, len(layout))
+            + layout
             + msg.error.encode()
         )
     if isinstance(msg, Request):
@@ -238,8 +242,12 @@ def decode(data: bytes) -> Msg:
                 raise ProtocolError("trailing bytes after the descriptors")
             return Hello(layout, tuple(descs))
         if kind == Kind.ACK:
-            ok, nics, max_msg = _ACK.unpack_from(body)
-            return Ack(bool(ok), nics, max_msg, _str(body[_ACK.size :], "ack error"))
+            ok, nics, max_msg, n_layout = _ACK.unpack_from(body)
+            at = _ACK.size + n_layout
+            if at > len(body):
+                raise ProtocolError(f"malformed ACK: a {n_layout}-byte layout in {len(body)} bytes")
+            layout = KvLayout.from_json(body[_ACK.size : at])
+            return Ack(bool(ok), nics, max_msg, layout, _str(body[at:], "ack error"))
         if kind == Kind.REQUEST:
             seq, imm, expected, skip, count, mode, n_rid = _REQ.unpack_from(body)
             rid = _str(body[_REQ.size : _REQ.size + n_rid], "request id")

@@ -206,7 +206,12 @@ def _plot(results: list[Any], path: Path) -> None:
     type=click.IntRange(min=1),
     default=4,
     show_default=True,
-    help="Byte-compare every N-th request.",
+    help="Byte-compare every N-th request of the serve phase.",
+)
+@click.option(
+    "--verify-throughput",
+    is_flag=True,
+    help="Byte-compare in the throughput phase too (costs the host's cores and memory bandwidth).",
 )
 @click.option("--nics", type=click.IntRange(1, 64), default=None, help="NICs per engine.")
 @click.option(
@@ -252,6 +257,7 @@ def bench_kv(
     layers: int | None,
     kv_split: str,
     verify_every: int,
+    verify_throughput: bool,
     nics: int | None,
     liveness_timeout: float,
     ceiling: str | None,
@@ -303,6 +309,7 @@ def bench_kv(
                 layers=layers,
                 kv_split=kv_split,
                 verify_every=verify_every,
+                verify_throughput=verify_throughput,
                 seed=seed,
                 timeout=timeout,
                 ceiling=ceiling,
