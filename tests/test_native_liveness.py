@@ -10,6 +10,8 @@ to (the Python binding asks only with the GIL released: a provider call can bloc
 for good if a peer died holding its queue lock). Case 5: a worker stuck inside such a call
 makes neither ``dump``, a fence, a cancel nor ``close`` wait for ever: ``close`` returns
 false after its bound, the engine says it is wedged, and its completion side is released.
+Case 8: the queue depth (``queue_depth``) holds each peer to its share of posted writes
+without holding up the others.
 (``nox -s sanitize`` runs it under ThreadSanitizer too.)
 """
 
@@ -47,6 +49,7 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("5", "close returned false after 0.2"),
         ("6", "0 loss(es) reported"),
         ("7", "switches between A and C"),
+        ("8", "3 of 10 posted while held"),
     ],
 )
 def test_liveness_probes_answer_late_and_fail_only_the_gone(program: Path, case: str, says: str) -> None:

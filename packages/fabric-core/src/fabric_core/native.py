@@ -133,6 +133,7 @@ class NativeEngine(EngineBase):
         )
         self._header = _HEADER.pack(len(self.address.raw)) + self.address.raw
         core.configure_liveness(settings.liveness_interval_s, settings.liveness_timeout_s, settings.timeout_s)
+        core.configure_queue(settings.queue_depth)
         self._stop = False
         self._completer = threading.Thread(
             target=self._complete, name=f"fabric-{capabilities.backend}-completion-{n}", daemon=True

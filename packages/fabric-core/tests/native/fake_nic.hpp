@@ -3,7 +3,8 @@
 // registered memory; completions and arrivals are queued per NIC and reported by poll(). Every
 // NIC of the process is in one registry (FakeFabric); a NIC that is gone makes posts to it fail
 // like an unreachable peer. FakeFabric::on_send, where set, sees every message sent (the fuzz
-// target records frames with it). FakeNic::refuse_sends makes its next sends answer -EAGAIN.
+// target records frames with it). FakeNic::refuse_sends makes its next sends answer -EAGAIN;
+// hold_write_done keeps landed writes unreported until release_writes().
 #pragma once
 
 #include <fabric/engine.hpp>
@@ -113,9 +114,28 @@ class FakeNic {
             push({Event::kError, ctx, 0, 0, 0, fabric::kRemoteAccess, "out of the registered region"});
         } else {
             writes_.fetch_add(1, std::memory_order_relaxed);
-            push({Event::kWriteDone, ctx, 0, 0, 0, 0, {}});
+            if (hold_write_done.load()) {  // landed, but not reported until release_writes()
+                std::lock_guard<std::mutex> lock(mu_);
+                held_.push_back({Event::kWriteDone, ctx, 0, 0, 0, 0, {}});
+            } else {
+                push({Event::kWriteDone, ctx, 0, 0, 0, 0, {}});
+            }
         }
         return 0;
+    }
+
+    // Reports the writes held while hold_write_done was set; returns how many.
+    size_t release_writes() {
+        std::lock_guard<std::mutex> lock(mu_);
+        size_t n = held_.size();
+        for (auto& e : held_) events_.push_back(std::move(e));
+        held_.clear();
+        return n;
+    }
+
+    size_t held_writes() {
+        std::lock_guard<std::mutex> lock(mu_);
+        return held_.size();
     }
 
     int post_send(const void* buf, size_t len, void*, uint64_t peer, void* ctx) {
@@ -258,6 +278,7 @@ class FakeNic {
     std::vector<std::string> accepted_to_;  // under mu_
     std::vector<Region> regions_;
     std::deque<Event> events_;
+    std::deque<Event> held_;  // completions of writes that landed while hold_write_done was set
     std::deque<Recv> recvs_;
     std::deque<std::string> unexpected_;
     std::atomic<uint64_t> writes_{0};
@@ -270,6 +291,7 @@ class FakeNic {
     std::atomic<int> refill_every{0};     // with no credits left: every post after this many refusals is taken
     std::atomic<int> refused_{0};
     std::atomic<bool> record_writes{false};  // while set, accepted_to() lists where writes went
+    std::atomic<bool> hold_write_done{false};  // while set, landed writes are not reported
     std::atomic<int> hanging{0};          // threads inside such a post_write
 
     std::thread::id poster() {

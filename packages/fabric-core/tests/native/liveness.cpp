@@ -35,11 +35,16 @@
 //    function of the posts alone, no timing): the writes it takes alternate between A and C. Before, the peer whose address handle sorted first took
 //    every one while it had any left (on shm: inference rank 1 fenced after rank 0 in 30 of
 //    30 steps of an RL update).
+// 8. Queue depth (configure_queue). B may have at most 3 writes posted and unreported per peer:
+//    of 10 writes to A, whose completions are held, 3 are posted and 7 wait in B; a write to
+//    C meanwhile goes out at once; once A's are reported the rest follow, in order, and every
+//    one lands. With the cap off, all 10 are posted at once.
 #include <fabric/counters.hpp>
 #include <fabric/engine.hpp>
 
 #include "fake_nic.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -302,10 +307,60 @@ void full_peers_take_turns() {
     CHECK(c->close(1.0));
 }
 
+void queue_depth_holds_each_peer_apart() {
+    Pair p;
+    auto c = fabric_test::open_engine(p.fabric, "c", 1, std::make_shared<CounterTable>(), false);
+    std::vector<unsigned char> c_dst(64, 0);
+    auto ct = std::make_shared<fabric::Target>();
+    ct->addresses.push_back(c->nic(0).address());
+    ct->rkeys.push_back(c->nic(0).register_remote(c_dst.data(), c_dst.size()));
+    ct->remote_base = reinterpret_cast<uint64_t>(c_dst.data());
+    auto& nic = p.b->nic(0);
+    const std::string a = p.a->nic(0).address(), cn = c->nic(0).address();
+    auto to = [&](const std::string& who) {
+        auto all = nic.accepted_to();
+        return std::count(all.begin(), all.end(), who);
+    };
+    auto settle = [&](auto done) {
+        for (int i = 0; i < 5000 && !done(); i++) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));  // and nothing more follows
+    };
+    nic.record_writes = true;
+    p.b->configure_queue(3);
+    nic.hold_write_done = true;
+    for (int i = 0; i < 10; i++) p.write_imm(500 + i);
+    settle([&] { return to(a) >= 3; });
+    CHECK(to(a) == 3 && nic.held_writes() == 3);
+    p.write_imm(520, ct);  // another peer is not held up by A's cap
+    settle([&] { return to(cn) >= 1; });
+    CHECK(to(cn) == 1 && to(a) == 3);
+    nic.hold_write_done = false;
+    nic.release_writes();
+    settle([&] { return to(a) >= 10; });
+    CHECK(to(a) == 10 && to(cn) == 1);
+    for (int i = 0; i < 10; i++) {  // every write landed: A counted each imm once
+        auto w = std::make_shared<CounterTable::Waiter>();
+        w->n = 1;
+        int rc = p.counters->enqueue(500 + i, w);
+        if (rc == fabric::kCountQueued) rc = p.counters->block(w, Clock::now() + std::chrono::seconds(5));
+        CHECK(rc == fabric::kCountOk);
+    }
+    // no cap: all ten posted at once
+    p.b->configure_queue(0);
+    nic.hold_write_done = true;
+    for (int i = 0; i < 10; i++) p.write_imm(600 + i);
+    settle([&] { return to(a) >= 20; });
+    CHECK(to(a) == 20 && nic.held_writes() == 10);
+    nic.hold_write_done = false;
+    nic.release_writes();
+    std::printf("queue depth: 3 of 10 posted while held, the other peer's write went out\n");
+    CHECK(c->close(1.0));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-    std::string only = argc > 1 ? argv[1] : "";  // "1" to "7": that case alone
+    std::string only = argc > 1 ? argv[1] : "";  // "1" to "8": that case alone
     if (only.empty() || only == "1") answers_refused_for_a_while();
     if (only.empty() || only == "2") a_probe_left_over_from_an_earlier_wait();
     if (only.empty() || only == "3") a_peer_that_is_gone();
@@ -313,6 +368,7 @@ int main(int argc, char** argv) {
     if (only.empty() || only == "5") a_worker_stuck_in_the_provider();
     if (only.empty() || only == "6") a_wait_naming_this_engine();
     if (only.empty() || only == "7") full_peers_take_turns();
+    if (only.empty() || only == "8") queue_depth_holds_each_peer_apart();
     std::printf("liveness: ok\n");
     return 0;
 }

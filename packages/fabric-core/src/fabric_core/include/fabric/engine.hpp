@@ -173,6 +173,10 @@ struct PeerState {
     // traffic to it (stats): writes completed, their bytes, writes failed, writes posted and
     // not reported yet
     uint64_t wrs = 0, bytes = 0, errors = 0, inflight = 0;
+    // writes posted and not reported since it was last evicted: what the queue-depth cap
+    // (configure_queue) holds down. Kept apart from ``inflight`` (a stat), and zeroed when the
+    // peer is evicted, so writes a lost peer never reports cannot cap its next incarnation.
+    uint64_t queued = 0;
 };
 
 // One NIC's traffic (stats): bumped by whoever runs progress (one thread at a time, under
@@ -601,6 +605,17 @@ class Engine {
         default_timeout_s_ = transfer_timeout_s;
     }
 
+    // Queue depth: at most ``per_peer_and_nic`` writes posted and not yet reported per peer
+    // and NIC (a peer reached over k NICs: k times that), 0 for as many as the provider takes.
+    // Writes past it wait in the engine, parked per peer like those a full provider queue
+    // refuses, so the other peers' traffic goes on. On shm a sender that keeps the target's
+    // whole queue (1,024 commands) full spins on the target's lock for every post while the
+    // target copies; a KV transfer of 64 KiB writes ran 12% faster held to 256.
+    void configure_queue(uint64_t per_peer_and_nic) {
+        std::lock_guard<std::timed_mutex> lock(progress_mu_);
+        queue_cap_ = per_peer_and_nic;
+    }
+
     // Cancels request ``id``: it completes now with kCancelled and none of its queued work
     // requests is posted (those posted are reaped as the provider reports them). Returns
     // whether it was still running, and the peers (NIC 0 addresses) it was writing to: the
@@ -992,6 +1007,11 @@ class Engine {
                         continue;
                     }
                     int rc = post(n, *op);
+                    if (rc == kCapped) {  // its earlier writes are not reported yet: the
+                        full_ = true;     // provider refused nothing, so no stall either
+                        pk.since = now_;
+                        break;
+                    }
                     if (rc == -EAGAIN) {
                         eagain_++;
                         full_ = true;
@@ -1034,13 +1054,14 @@ class Engine {
                     }
                 }
                 int rc = post(n, *op);
-                if (rc == -EAGAIN) {
-                    eagain_++;
+                if (rc == -EAGAIN || rc == kCapped) {
+                    if (rc == -EAGAIN) eagain_++;
                     full_ = true;
                     Parked& pk = park[park_key(n, *op)];
                     if (pk.ops.empty()) pk.since = now_;
                     pk.ops.push_back(op);
-                    if (park.size() >= kMaxParked) break;  // so many full peers: the NIC itself is full
+                    // so many full peers: the NIC itself is full (capped peers say nothing of it)
+                    if (rc == -EAGAIN && park.size() >= kMaxParked) break;
                     continue;
                 }
                 after_post(n, op, rc);
@@ -1113,6 +1134,7 @@ class Engine {
             if (known.size() < nics_.size()) known.resize(nics_.size());
             if (n < t.addresses.size()) known[n] = t.addresses[n];
         }
+        if (queue_cap_ != 0 && t.state->queued >= queue_cap_ * nics_.size()) return kCapped;
         WriteOp w;
         w.src = reinterpret_cast<const void*>(op.src);
         w.len = op.mode == OpCtx::kImmOnly ? 0 : op.len;
@@ -1126,6 +1148,7 @@ class Engine {
         if (rc == 0) {
             NicTraffic::bump(traffic_[n].inflight);
             t.state->inflight++;
+            t.state->queued++;
         }
         if (rc == 0 && path) {
             if (imm) path->imm_busy++;
@@ -1240,6 +1263,7 @@ class Engine {
         PeerState* p = op.target < r.targets.size() ? r.targets[op.target]->state : nullptr;
         if (p == nullptr) return;
         if (p->inflight > 0) p->inflight--;
+        if (p->queued > 0) p->queued--;
         if (ok) {
             p->wrs++;
             p->bytes += len;
@@ -1954,6 +1978,7 @@ class Engine {
         // it says hello again.
         end_session(p);
         p.rx_session = 0;
+        p.queued = 0;
     }
 
     // Completes ``r`` now with ``status``; its posted WRs are reaped as the provider reports
@@ -2233,6 +2258,8 @@ class Engine {
                           kFrameQuery = 5, kFrameCounts = 6, kFramePathReset = 7, kFramePoke = 8;
 
     static constexpr int kRerouted = 1;  // post(): the op moved to another NIC's queue
+    static constexpr int kCapped = 2;    // post(): its peer has the queue depth's worth posted
+    uint64_t queue_cap_ = 0;             // configure_queue (0: none)
     std::string self_address_;
     // failure detection (worker only)
     static constexpr auto kTick = std::chrono::milliseconds(10);

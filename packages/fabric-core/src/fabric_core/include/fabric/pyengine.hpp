@@ -347,6 +347,12 @@ class PyEngine {
         engine_->configure_liveness(interval_s, timeout_s, transfer_timeout_s);
     }
 
+    // See Engine::configure_queue.
+    void configure_queue(uint64_t per_peer_and_nic) {
+        check_open();
+        engine_->configure_queue(per_peer_and_nic);
+    }
+
     // What is outstanding in the engine core (Engine::dump), as plain data.
     py::dict dump_state() {
         py::dict d;
@@ -570,6 +576,7 @@ void bind_engine(py::class_<Cls, Options...>& c) {
         .def("peer_stats", &Cls::peer_stats)
         .def("configure_liveness", &Cls::configure_liveness, py::arg("interval_s"), py::arg("timeout_s"),
              py::arg("transfer_timeout_s"))
+        .def("configure_queue", &Cls::configure_queue, py::arg("per_peer_and_nic"))
         .def("dump_state", &Cls::dump_state)
         .def("probe_peer", &Cls::probe_peer, py::arg("address"))
         .def("fence", &Cls::fence, py::arg("addresses"), py::arg("timeout_s"))
