@@ -173,72 +173,80 @@ def source_table(request_id: str, num_pages: int, prefill_blocks: int) -> list[i
     return rng.sample(range(prefill_blocks), num_pages)
 
 
-def _stamp_base(prefill: int, layer: int, segment: int) -> int:
-    """Stamps of (prefill, layer, segment): source page p's head word is ``base + 2p``, its
-    tail word ``base + 2p + 1``."""
-    return (_MAGIC << 56) | ((prefill & 0xFF) << 48) | ((layer & 0xFFF) << 36) | ((segment & 0xF) << 32)
-
-
 class _Words:
     """The first and last 8-byte words of every page of every segment of every layer, as
-    indices into flat int64 views of the layer tensors."""
+    indices into one flat int64 view of the buffer that holds all the layer tensors
+    (``_layer_tensors``): a check is one gather over ``[layers, segments, pages]``, not a few
+    torch calls per layer and segment (those took a sixth of a core at Llama's rate)."""
 
     def __init__(self, layout: KvLayout, layers: tuple[tuple[Any, ...], ...]) -> None:
         self.layout = layout
-        self.flat = [tuple(t.view(-1).view(_torch().int64) for t in ts) for ts in layers]
-        self.u8 = [tuple(t.view(-1).view(_torch().uint8) for t in ts) for ts in layers]
+        storage = layers[0][0].untyped_storage()
+        base = storage.data_ptr()
+        if any(t.untyped_storage().data_ptr() != base for ts in layers for t in ts):
+            raise ConfigError("the layer tensors must be views of one buffer (_layer_tensors)")
+        whole = _torch().empty(0, dtype=_torch().uint8).set_(storage)
+        self.u8: np.ndarray = whole.numpy()
+        self.flat: np.ndarray = self.u8[: self.u8.size // 8 * 8].view(np.int64)
+        segs = layout.segments
+        tensor_at = np.array([[t.data_ptr() - base for t in ts] for ts in layers], np.int64)  # [L, T]
+        # byte offset of page 0 of (layer, segment), and each segment's page stride
+        self.start = tensor_at[:, [g.tensor for g in segs]] + np.array([g.offset for g in segs], np.int64)
+        self.stride = np.array([g.stride for g in segs], np.int64)
+        self.layer_bits = (np.arange(len(layers), dtype=np.int64) & 0xFFF) << 36
+        self.seg_bits = (np.arange(len(segs), dtype=np.int64) & 0xF) << 32
 
-    def index(self, segment: int, blocks: Any) -> tuple[Any, Any]:
-        torch = _torch()
-        seg = self.layout.segments[segment]
-        start = (seg.offset + torch.as_tensor(blocks, dtype=torch.int64) * seg.stride) // 8
-        return start, start + self.layout.page_bytes // 8 - 1
+    def _offsets(self, blocks: Any) -> np.ndarray:
+        """Byte offset of each page: ``[layers, segments, len(blocks)]``."""
+        b = np.asarray(blocks, dtype=np.int64)
+        return self.start[:, :, None] + b[None, None, :] * self.stride[None, :, None]
+
+    def _index(self, blocks: Any) -> tuple[np.ndarray, np.ndarray]:
+        head = self._offsets(blocks) // 8
+        return head, head + self.layout.page_bytes // 8 - 1
+
+    def _stamps(self, prefill: int, sources: Any) -> np.ndarray:
+        """Stamps of (prefill, layer, segment, source page p): p's head word is
+        ``"K" prefill layer segment 2p``, its tail word that plus one; ``[layers, segments,
+        len(sources)]``."""
+        top = (_MAGIC << 56) | ((prefill & 0xFF) << 48)
+        src = np.asarray(sources, dtype=np.int64)
+        return top + self.layer_bits[:, None, None] + self.seg_bits[None, :, None] + 2 * src[None, None, :]
 
     def stamp_sources(self, prefill: int) -> None:
-        torch = _torch()
-        blocks = torch.arange(self.layout.num_blocks, dtype=torch.int64)
-        for layer, tensors in enumerate(self.flat):
-            for s, seg in enumerate(self.layout.segments):
-                head, tail = self.index(s, blocks)
-                base = _stamp_base(prefill, layer, s)
-                tensors[seg.tensor][head] = base + 2 * blocks
-                tensors[seg.tensor][tail] = base + 2 * blocks + 1
+        blocks = np.arange(self.layout.num_blocks, dtype=np.int64)
+        head, tail = self._index(blocks)
+        want = self._stamps(prefill, blocks)
+        self.flat[head] = want
+        self.flat[tail] = want + 1
 
     def check(self, prefill: int, pages: Any, sources: Any) -> str | None:
         """None if every page of ``pages`` carries the stamps of source page ``sources``."""
-        torch = _torch()
-        src = torch.as_tensor(sources, dtype=torch.int64)
-        for layer, tensors in enumerate(self.flat):
-            for s, seg in enumerate(self.layout.segments):
-                head, tail = self.index(s, pages)
-                base = _stamp_base(prefill, layer, s)
-                got_h, got_t = tensors[seg.tensor][head], tensors[seg.tensor][tail]
-                bad = (got_h != base + 2 * src) | (got_t != base + 2 * src + 1)
-                if bool(bad.any()):
-                    i = int(bad.nonzero()[0, 0])
-                    return (
-                        f"layer {layer} {seg.name} page {int(pages[i])}: stamps {int(got_h[i]):#x}/"
-                        f"{int(got_t[i]):#x}, want source page {int(src[i])} of prefill {prefill}"
-                    )
-        return None
+        head, tail = self._index(pages)
+        want = self._stamps(prefill, sources)
+        got_h, got_t = self.flat[head], self.flat[tail]
+        bad = (got_h != want) | (got_t != want + 1)
+        if not bad.any():
+            return None
+        layer, s, i = (int(v[0]) for v in np.nonzero(bad))
+        return (
+            f"layer {layer} {self.layout.segments[s].name} page {int(pages[i])}: stamps "
+            f"{int(got_h[layer, s, i]):#x}/{int(got_t[layer, s, i]):#x}, want source page "
+            f"{int(sources[i])} of prefill {prefill}"
+        )
 
     def clear(self, pages: Any) -> None:
-        for tensors in self.flat:
-            for s, seg in enumerate(self.layout.segments):
-                head, tail = self.index(s, pages)
-                tensors[seg.tensor][head] = 0
-                tensors[seg.tensor][tail] = 0
+        head, tail = self._index(pages)
+        self.flat[head] = 0
+        self.flat[tail] = 0
 
     def crcs(self, blocks: Any) -> np.ndarray:
         """CRC-32 of every page: ``[layers, segments, len(blocks)]``."""
-        out = np.zeros((len(self.u8), len(self.layout.segments), len(blocks)), dtype=np.uint32)
-        pb = self.layout.page_bytes
-        for layer, tensors in enumerate(self.u8):
-            for s, seg in enumerate(self.layout.segments):
-                buf = tensors[seg.tensor].numpy()
-                for j, b in enumerate(blocks):
-                    off = seg.offset + int(b) * seg.stride
-                    out[layer, s, j] = zlib.crc32(buf[off : off + pb])
+        offsets = self._offsets(list(blocks))
+        out = np.zeros(offsets.shape, dtype=np.uint32)
+        pb, u8 = self.layout.page_bytes, self.u8
+        for idx, off in np.ndenumerate(offsets):
+            out[idx] = zlib.crc32(u8[off : off + pb])
         return out
 
 
@@ -249,15 +257,14 @@ def _torch() -> Any:
 
 
 def _layer_tensors(layout: KvLayout) -> list[Any]:
+    """Each layer's tensor(s) in the layout's canonical shape: views of one zeroed buffer."""
     torch = _torch()
     shape = layout.accepted_shapes()[0]
-    dtype = getattr(torch, layout.dtype)
     per = layout.tensors_per_layer
+    whole = torch.zeros((layout.num_layers * per, *shape), dtype=getattr(torch, layout.dtype))
     return [
-        tuple(torch.zeros(shape, dtype=dtype) for _ in range(per))
-        if per > 1
-        else torch.zeros(shape, dtype=dtype)
-        for _ in range(layout.num_layers)
+        tuple(whole[layer * per + t] for t in range(per)) if per > 1 else whole[layer]
+        for layer in range(layout.num_layers)
     ]
 
 
