@@ -246,7 +246,7 @@ class _Words:
         out = np.zeros(offsets.shape, dtype=np.uint32)
         pb, u8 = self.layout.page_bytes, self.u8
         for idx, off in np.ndenumerate(offsets):
-            out[idx] = zlib.crc32(u8[off : off + pb])
+            out[idx] = zlib.crc32(u8[off : off + pb].data)
         return out
 
 
