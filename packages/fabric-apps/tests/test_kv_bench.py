@@ -157,6 +157,27 @@ def test_cli_kv_on_the_simulator_reports_both_phases_and_writes_json_and_plot(tm
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_plot_compares_with_the_ceiling_at_the_size_of_fabric_writes(tmp_path: Any) -> None:
+    """An interleaved Llama cache writes 64 KiB (K and V of a page as one): the plot reads the
+    ceiling at that size, whatever the page is. It used to read the page's 32 KiB, which a run
+    of interleaved caches never measures, and failed."""
+    import dataclasses
+
+    from fabric_core.cli.bench_kv import _plot
+
+    pytest.importorskip("matplotlib")
+    spec = kvb.KvBenchSpec(
+        model="llama70b", kv_split="interleaved", add_decode=False, kill_prefill=False, prefills=1, **SMALL
+    )
+    result = kvb.run_kv_bench(spec)
+    assert result.to_json()["layout"]["write_bytes"] == [65536]
+    fake = {"span_bytes": 1, "runs": {"65536": [5.0]}, "gbytes_per_s": {"65536": 5.0}, "ratio": {"65536": 0.5}}
+    ceiling = {"provider": "shm", "program": "fi_ceiling", "kv_working_set": fake, "cached": fake}
+    png = tmp_path / "kv.png"
+    _plot([dataclasses.replace(result, ceiling=ceiling)], png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
