@@ -171,7 +171,12 @@ def test_the_plot_compares_with_the_ceiling_at_the_size_of_fabric_writes(tmp_pat
     )
     result = kvb.run_kv_bench(spec)
     assert result.to_json()["layout"]["write_bytes"] == [65536]
-    fake = {"span_bytes": 1, "runs": {"65536": [5.0]}, "gbytes_per_s": {"65536": 5.0}, "ratio": {"65536": 0.5}}
+    fake = {
+        "span_bytes": 1,
+        "runs": {"65536": [5.0]},
+        "gbytes_per_s": {"65536": 5.0},
+        "ratio": {"65536": 0.5},
+    }
     ceiling = {"provider": "shm", "program": "fi_ceiling", "kv_working_set": fake, "cached": fake}
     png = tmp_path / "kv.png"
     _plot([dataclasses.replace(result, ceiling=ceiling)], png)
