@@ -29,7 +29,7 @@ def test_defaults() -> None:
         "timeout_s": 60.0,
         "liveness_interval_s": 1.0,
         "liveness_timeout_s": 10.0,
-        "queue_depth": 256,
+        "queue_depth": None,
         "recv_depth": 64,
         "max_send_size": 65536,
         "chaos_seed": None,

@@ -21,7 +21,11 @@
  * round robin to every target, as T training ranks push weights to I inference ranks. Time
  * runs from the first initiator's start to the last target's count of its imms (one
  * CLOCK_MONOTONIC for all): the aggregate bandwidth of that fan, whose receivers, on shm, are
- * the processes that copy. -b and -d as for a pair. Implies -l 0.
+ * the processes that copy. -b and -d as for a pair. Implies -l 0. -W N keeps at most N writes
+ * outstanding per target instead of -w's window shared by all targets, posting round robin to
+ * the targets with room: the raw form of fabric's per-peer queue depth (on shm a post to a
+ * target busy copying its queue spins on the target's lock, and a shared window lets one busy
+ * target hold up the others).
  *
  * With -N NICE the initiators run at that nice value (the targets at the caller's): on one
  * host over shm the targets do the copies, and initiators spinning in the provider on a
@@ -194,17 +198,47 @@ static size_t slot_offset(const struct node *n, size_t size, uint64_t i) {
 }
 
 /* One write with remote CQ data from local offset lo to offset ro of ``remote`` (at ``peer``). */
-static ssize_t post_write_to(struct node *n, size_t size, uint64_t data, fi_addr_t peer,
-                             const struct peer_info *remote, size_t lo, size_t ro) {
+static ssize_t post_write_ctx(struct node *n, size_t size, uint64_t data, fi_addr_t peer,
+                              const struct peer_info *remote, size_t lo, size_t ro, void *context) {
     if (!delivery_complete)
-        return fi_writedata(n->ep, n->buf + lo, size, n->desc, data, peer, remote->base + ro, remote->key, NULL);
+        return fi_writedata(n->ep, n->buf + lo, size, n->desc, data, peer, remote->base + ro, remote->key, context);
     struct iovec iov = {.iov_base = n->buf + lo, .iov_len = size};
     struct fi_rma_iov rma = {.addr = remote->base + ro, .len = size, .key = remote->key};
     void *desc = n->desc;
     struct fi_msg_rma msg = {
         .msg_iov = &iov, .desc = &desc, .iov_count = 1, .addr = peer,
-        .rma_iov = &rma, .rma_iov_count = 1, .context = NULL, .data = data};
+        .rma_iov = &rma, .rma_iov_count = 1, .context = context, .data = data};
     return fi_writemsg(n->ep, &msg, FI_COMPLETION | FI_REMOTE_CQ_DATA | (size ? FI_DELIVERY_COMPLETE : 0));
+}
+
+static ssize_t post_write_to(struct node *n, size_t size, uint64_t data, fi_addr_t peer,
+                             const struct peer_info *remote, size_t lo, size_t ro) {
+    return post_write_ctx(n, size, data, peer, remote, lo, ro, NULL);
+}
+
+/* -W: at most this many writes outstanding per target in a fan (0: the window -w, shared). */
+static int per_target = 0;
+
+/* poll_cq for a fan initiator with per-target windows: a write's context is its target + 1. */
+static void poll_fan(struct node *n, long *out, long *tx, long *rx) {
+    struct fi_cq_data_entry e[64];
+    ssize_t got = fi_cq_read(n->cq, e, 64);
+    if (got == -FI_EAGAIN) return;
+    if (got < 0) {
+        struct fi_cq_err_entry err = {0};
+        fi_cq_readerr(n->cq, &err, 0);
+        fprintf(stderr, "cq error: %s\n", fi_strerror(err.err));
+        exit(2);
+    }
+    for (ssize_t i = 0; i < got; i++) {
+        if (e[i].flags & FI_REMOTE_CQ_DATA) {
+            (*rx)++;
+        } else {
+            long k = (long)(intptr_t)e[i].op_context - 1;
+            if (k >= 0) out[k]--;
+            (*tx)++;
+        }
+    }
 }
 
 /* post_write_to, polling the CQ while the provider answers EAGAIN. */
@@ -303,6 +337,40 @@ static void fan_child(int fd, const char *prov, size_t buflen, int initiator, in
             while (rx < c.count) poll_cq(&n, &tx, &rx);
             r.t_end = now_s();
             r.count = rx;
+        } else if (per_target > 0) { /* round robin over the targets that have room */
+            long *out = calloc((size_t)I, sizeof(long)), *sent = calloc((size_t)I, sizeof(long));
+            long posted = 0;
+            int k = 0;
+            r.t_start = now_s();
+            while (posted < c.count) {
+                int tried = 0;
+                while (tried < I && (out[k] >= per_target || sent[k] >= c.count / I + (k < c.count % I))) {
+                    k = (k + 1) % I;
+                    tried++;
+                }
+                if (tried == I) {
+                    poll_fan(&n, out, &tx, &rx);
+                    continue;
+                }
+                uint64_t there = (uint64_t)sent[k] * (uint64_t)T + (uint64_t)me;
+                for (;;) {
+                    ssize_t rc = post_write_ctx(&n, c.size, (uint64_t)posted, addrs[k], &peers[k],
+                                                slot_offset(&n, c.size, (uint64_t)posted),
+                                                slot_offset(&n, c.size, there), (void *)(intptr_t)(k + 1));
+                    if (rc == 0) break;
+                    if (rc != -FI_EAGAIN) CHECK(rc);
+                    poll_fan(&n, out, &tx, &rx);
+                }
+                out[k]++;
+                sent[k]++;
+                posted++;
+                k = (k + 1) % I;
+            }
+            while (tx < c.count) poll_fan(&n, out, &tx, &rx);
+            r.t_end = now_s();
+            r.count = tx;
+            free(out);
+            free(sent);
         } else {
             long posted = 0;
             r.t_start = now_s();
@@ -382,9 +450,11 @@ static int run_fan(const char *prov, const char *sizes, int T, int I, int window
         double t = median(secs, k);
         double bytes = (double)size * (double)count * (double)T;
         printf("{\"kind\": \"fan_bandwidth\", \"provider\": \"%s\", \"initiators\": %d, \"targets\": %d, \"size\": %zu, "
-               "\"span\": %zu, \"window\": %d, \"writes_per_initiator\": %ld, \"reps\": %d, \"seconds_median\": %.6f, "
-               "\"gbytes_per_s\": %.4f, \"t_start\": %.6f, \"t_end\": %.6f, \"initiator_nice\": %d}\n",
-               prov, T, I, size, span, window, count, k, t, bytes / t / 1e9, first_start, last_end, initiator_nice);
+               "\"span\": %zu, \"window\": %d, \"per_target\": %d, \"writes_per_initiator\": %ld, \"reps\": %d, "
+               "\"seconds_median\": %.6f, \"gbytes_per_s\": %.4f, \"t_start\": %.6f, \"t_end\": %.6f, "
+               "\"initiator_nice\": %d}\n",
+               prov, T, I, size, span, window, per_target, count, k, t, bytes / t / 1e9, first_start, last_end,
+               initiator_nice);
         fflush(stdout);
     }
     struct cmd quit = {CMD_QUIT, 0, 0};
@@ -407,12 +477,13 @@ int main(int argc, char **argv) {
     int window = 64, reps = 5, ping_iters = 20000, fan_t = 0, fan_i = 0;
     size_t per_bytes = 0; /* -n; 0: about 1 GiB per repetition (a pair), 256 MiB per initiator (a fan) */
     int opt;
-    while ((opt = getopt(argc, argv, "p:s:w:r:l:db:f:n:N:")) != -1) {
+    while ((opt = getopt(argc, argv, "p:s:w:W:r:l:db:f:n:N:")) != -1) {
         switch (opt) {
         case 'p': prov = optarg; break;
         case 'd': delivery_complete = 1; break;
         case 's': sizes = optarg; break;
         case 'w': window = atoi(optarg); break;
+        case 'W': per_target = atoi(optarg); break;
         case 'r': reps = atoi(optarg); break;
         case 'l': ping_iters = atoi(optarg); break;
         case 'b': span = strtoull(optarg, NULL, 10); break;
@@ -433,7 +504,7 @@ int main(int argc, char **argv) {
         default:
             fprintf(stderr,
                     "usage: %s [-p provider] [-s sizes] [-w window] [-r reps] [-l pingpong iters] [-d] [-b span] [-n bytes per rep] [-N nice]\n"
-                    "       %s -f INITIATORS:TARGETS [-n bytes per initiator] [-p provider] [-s sizes] [-w window] [-r reps] [-b span] [-N nice]\n",
+                    "       %s -f INITIATORS:TARGETS [-n bytes per initiator] [-p provider] [-s sizes] [-w window | -W per target] [-r reps] [-b span] [-N nice]\n",
                     argv[0], argv[0]);
             return 1;
         }

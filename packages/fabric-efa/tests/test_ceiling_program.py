@@ -62,6 +62,17 @@ def test_a_fan_counts_every_initiators_writes_at_every_target(
         assert r["gbytes_per_s"] > 0 and r["t_end"] > r["t_start"] and r["reps"] == 2
 
 
+def test_a_fan_with_a_window_per_target_writes_the_same_to_every_target(program: Path) -> None:
+    """-W keeps at most N writes outstanding per target (the raw form of the engine's queue
+    depth): every initiator still writes its whole share, split evenly."""
+    n = 12 * 65536
+    rows = _rows(program, "-W", "1", "-f", "2:3", "-n", str(n), "-s", "65536", "-r", "2")
+    assert [r["kind"] for r in rows] == ["fan_bandwidth"]
+    r = rows[0]
+    assert r["per_target"] == 1 and r["writes_per_initiator"] == 12 and r["targets"] == 3
+    assert r["gbytes_per_s"] > 0 and r["t_end"] > r["t_start"]
+
+
 def test_bad_fan_shapes_are_refused(program: Path) -> None:
     for shape in ("0:2", "2", "3:-1"):
         done = subprocess.run([str(program), "-f", shape], capture_output=True, text=True, timeout=30)

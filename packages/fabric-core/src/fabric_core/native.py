@@ -107,6 +107,7 @@ class NativeEngine(EngineBase):
     ``guarded``: the provider's addresses name their process (shm), so writes to an endpoint
     closed in this process must fail before posting; subclasses then implement
     ``_is_closed`` and ``_mark_closed``. ``where`` names the transport in error messages.
+    ``queue_depth``: the backend's choice where ``settings.queue_depth`` makes none.
     """
 
     def __init__(
@@ -118,6 +119,7 @@ class NativeEngine(EngineBase):
         *,
         guarded: bool = False,
         where: str = "",
+        queue_depth: int = 256,
     ) -> None:
         self._core = core
         self._guarded = guarded
@@ -133,7 +135,8 @@ class NativeEngine(EngineBase):
         )
         self._header = _HEADER.pack(len(self.address.raw)) + self.address.raw
         core.configure_liveness(settings.liveness_interval_s, settings.liveness_timeout_s, settings.timeout_s)
-        core.configure_queue(settings.queue_depth)
+        self.queue_depth = queue_depth if settings.queue_depth is None else settings.queue_depth
+        core.configure_queue(self.queue_depth)
         self._stop = False
         self._completer = threading.Thread(
             target=self._complete, name=f"fabric-{capabilities.backend}-completion-{n}", daemon=True

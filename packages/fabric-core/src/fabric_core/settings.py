@@ -49,11 +49,12 @@ class FabricSettings(BaseSettings):
         "transfers fail with PeerUnreachable, waits naming it fail, its connection state is "
         "dropped.",
     )
-    queue_depth: Annotated[int, Field(ge=0, le=1 << 20)] = Field(
-        256,
+    queue_depth: Annotated[int, Field(ge=0, le=1 << 20)] | None = Field(
+        None,
         description="Writes posted to the provider and not yet completed, at most, per peer and "
-        "NIC (0: as many as the provider takes). The rest wait in the engine, per peer, so "
-        "other peers' traffic goes on. Compiled backends.",
+        "NIC (0: as many as the provider takes; None: the backend's choice, 256 on efa and "
+        "verbs). The rest wait in the engine, per peer, so other peers' traffic goes on. On shm "
+        "2 is much faster for an RL update (docs/backends/efa.md). Compiled backends.",
     )
     recv_depth: Annotated[int, Field(ge=1, le=1 << 16)] = Field(
         64, description="Receive buffers kept posted for two-sided control messages."

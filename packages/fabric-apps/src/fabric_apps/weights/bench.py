@@ -569,11 +569,26 @@ def _run_ceiling_program(spec: RlBenchSpec, args: list[str], copies: int) -> lis
     return rows
 
 
-def _fan_run(spec: RlBenchSpec, per_rep: int, span: int) -> dict[str, float]:
+FAN_WINDOWS: dict[str, list[str]] = {"shared 64": ["-w", "64"], "2 per target": ["-W", "2"]}
+"""How the ceiling's fan keeps writes in flight: its window shared by the targets, and two per
+target (the raw form of the engine's queue depth on shm). The bound takes the better."""
+
+
+def _fan_run(spec: RlBenchSpec, per_rep: int, span: int, window: list[str]) -> dict[str, float]:
     """GB/s by size of the ceiling program as this update's fan: ``trainers`` writers, each
     writing ``per_rep`` bytes round robin to ``inference`` targets, timed from the first
     writer's start to the last target's count."""
-    args = ["-f", f"{spec.trainers}:{spec.inference}", "-n", str(per_rep), "-r", "3", "-b", str(span)]
+    args = [
+        "-f",
+        f"{spec.trainers}:{spec.inference}",
+        "-n",
+        str(per_rep),
+        "-r",
+        "3",
+        "-b",
+        str(span),
+        *window,
+    ]
     rows = _run_ceiling_program(spec, [*args, "-s", ",".join(map(str, CEILING_SIZES))], 1)
     fan = [r for r in rows if r.get("kind") == "fan_bandwidth"]
     if len(fan) != len(CEILING_SIZES):
@@ -581,9 +596,12 @@ def _fan_run(spec: RlBenchSpec, per_rep: int, span: int) -> dict[str, float]:
     return {str(r["size"]): float(r["gbytes_per_s"]) for r in fan}
 
 
-def _ceiling(spec: RlBenchSpec, per_source: int) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
-    """GB/s by pairs and size (one pair, and as many pairs as trainers) and by size for the
-    update's own fan. Each writer writes a trainer's share a repetition (4 MiB to 1 GiB)."""
+def _ceiling(
+    spec: RlBenchSpec, per_source: int
+) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """GB/s by pairs and size (one pair, and as many pairs as trainers), and by fan window
+    (``FAN_WINDOWS``) and size for the update's own fan. Each writer writes a trainer's share
+    a repetition (4 MiB to 1 GiB)."""
     span = max(CEILING_SIZES[-1], min(per_source, 512 << 20))
     per_rep = min(max(per_source, 4 << 20), 1 << 30)
     pairs_out: dict[str, dict[str, float]] = {}
@@ -591,7 +609,7 @@ def _ceiling(spec: RlBenchSpec, per_source: int) -> tuple[dict[str, dict[str, fl
         pairs_out[str(pairs)] = {
             str(size): _ceiling_run(spec, pairs, size, span, per_rep) for size in CEILING_SIZES
         }
-    return pairs_out, _fan_run(spec, per_rep, span)
+    return pairs_out, {name: _fan_run(spec, per_rep, span, w) for name, w in FAN_WINDOWS.items()}
 
 
 # --- results --------------------------------------------------------------------------------------------
@@ -744,12 +762,15 @@ def run_rl_bench(spec: RlBenchSpec) -> RlBenchResult:
     src, _dst = spec.fleets()
     runs: list[dict[str, dict[str, float]]] = []
     fan_runs: list[dict[str, float]] = []
+    fan_windows: list[dict[str, dict[str, float]]] = []
     per_source = max(1, sum(p.nbytes for p in src.params) // spec.trainers)
 
     def measure_ceiling() -> None:
-        pairs, fan = _ceiling(spec, per_source)
+        pairs, fans = _ceiling(spec, per_source)
         runs.append(pairs)
-        fan_runs.append(fan)
+        fan_windows.append(fans)
+        # per size, the better window
+        fan_runs.append({size: max(f[size] for f in fans.values()) for size in next(iter(fans.values()))})
 
     if spec.ceiling:  # before the ranks start and after they exit: nothing else running
         measure_ceiling()
@@ -774,6 +795,7 @@ def run_rl_bench(spec: RlBenchSpec) -> RlBenchResult:
             "runs": runs,
             "fan": f"{spec.trainers}:{spec.inference}",
             "fan_runs": fan_runs,
+            "fan_windows": fan_windows,
         }
     return RlBenchResult(
         spec, plan, steps, sources, destinations, ceiling, host_info(), time.perf_counter() - start
