@@ -169,7 +169,9 @@ static void node_connect(struct node *n, int fd) {
 }
 
 /* Poll until at least one completion; returns (tx done, remote data seen) counts. */
-static void poll_cq(struct node *n, long *tx, long *rx) {
+/* Counts the CQ's completions: imms received (rx) and writes done (tx). ``out``, where given:
+ * a fan initiator's writes outstanding per target, whose context is the target + 1. */
+static void poll_cq_out(struct node *n, long *out, long *tx, long *rx) {
     struct fi_cq_data_entry e[64];
     ssize_t got = fi_cq_read(n->cq, e, 64);
     if (got == -FI_EAGAIN) return;
@@ -180,12 +182,17 @@ static void poll_cq(struct node *n, long *tx, long *rx) {
         exit(2);
     }
     for (ssize_t i = 0; i < got; i++) {
-        if (e[i].flags & FI_REMOTE_CQ_DATA)
+        if (e[i].flags & FI_REMOTE_CQ_DATA) {
             (*rx)++;
-        else
+        } else {
+            long k = (long)(intptr_t)e[i].op_context - 1;
+            if (out && k >= 0) out[k]--;
             (*tx)++;
+        }
     }
 }
+
+static void poll_cq(struct node *n, long *tx, long *rx) { poll_cq_out(n, NULL, tx, rx); }
 
 /* -d: writes complete on delivery (FI_DELIVERY_COMPLETE), the semantics fabric gives a
  * Transfer; the default is the provider's own (transmit complete). */
@@ -219,27 +226,6 @@ static ssize_t post_write_to(struct node *n, size_t size, uint64_t data, fi_addr
 /* -W: at most this many writes outstanding per target in a fan (0: the window -w, shared). */
 static int per_target = 0;
 
-/* poll_cq for a fan initiator with per-target windows: a write's context is its target + 1. */
-static void poll_fan(struct node *n, long *out, long *tx, long *rx) {
-    struct fi_cq_data_entry e[64];
-    ssize_t got = fi_cq_read(n->cq, e, 64);
-    if (got == -FI_EAGAIN) return;
-    if (got < 0) {
-        struct fi_cq_err_entry err = {0};
-        fi_cq_readerr(n->cq, &err, 0);
-        fprintf(stderr, "cq error: %s\n", fi_strerror(err.err));
-        exit(2);
-    }
-    for (ssize_t i = 0; i < got; i++) {
-        if (e[i].flags & FI_REMOTE_CQ_DATA) {
-            (*rx)++;
-        } else {
-            long k = (long)(intptr_t)e[i].op_context - 1;
-            if (k >= 0) out[k]--;
-            (*tx)++;
-        }
-    }
-}
 
 /* post_write_to, polling the CQ while the provider answers EAGAIN. */
 static void write_imm_to(struct node *n, size_t size, uint64_t data, fi_addr_t peer, const struct peer_info *remote,
@@ -349,7 +335,7 @@ static void fan_child(int fd, const char *prov, size_t buflen, int initiator, in
                     tried++;
                 }
                 if (tried == I) {
-                    poll_fan(&n, out, &tx, &rx);
+                    poll_cq_out(&n, out, &tx, &rx);
                     continue;
                 }
                 uint64_t there = (uint64_t)sent[k] * (uint64_t)T + (uint64_t)me;
@@ -359,14 +345,14 @@ static void fan_child(int fd, const char *prov, size_t buflen, int initiator, in
                                                 slot_offset(&n, c.size, there), (void *)(intptr_t)(k + 1));
                     if (rc == 0) break;
                     if (rc != -FI_EAGAIN) CHECK(rc);
-                    poll_fan(&n, out, &tx, &rx);
+                    poll_cq_out(&n, out, &tx, &rx);
                 }
                 out[k]++;
                 sent[k]++;
                 posted++;
                 k = (k + 1) % I;
             }
-            while (tx < c.count) poll_fan(&n, out, &tx, &rx);
+            while (tx < c.count) poll_cq_out(&n, out, &tx, &rx);
             r.t_end = now_s();
             r.count = tx;
             free(out);
