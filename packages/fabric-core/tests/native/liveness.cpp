@@ -105,6 +105,21 @@ struct Pair {
         completer.join();
     }
 
+    // A third engine, C, with 64 registered bytes, and B's target there.
+    struct Third {
+        std::unique_ptr<FakeEngine> engine;
+        std::vector<unsigned char> dst = std::vector<unsigned char>(64, 0);
+        std::shared_ptr<fabric::Target> target = std::make_shared<fabric::Target>();
+    };
+    std::unique_ptr<Third> third() {
+        auto t = std::make_unique<Third>();
+        t->engine = fabric_test::open_engine(fabric, "c", 1, std::make_shared<CounterTable>(), false);
+        t->target->addresses.push_back(t->engine->nic(0).address());
+        t->target->rkeys.push_back(t->engine->nic(0).register_remote(t->dst.data(), t->dst.size()));
+        t->target->remote_base = reinterpret_cast<uint64_t>(t->dst.data());
+        return t;
+    }
+
     // B writes 8 bytes carrying ``imm`` to A (or to ``to``).
     void write_imm(uint32_t imm, const std::shared_ptr<fabric::Target>& to = nullptr) {
         auto req = std::make_unique<fabric::Request>();
@@ -267,12 +282,9 @@ void a_wait_naming_this_engine() {
 
 void full_peers_take_turns() {
     Pair p;
-    auto c = fabric_test::open_engine(p.fabric, "c", 1, std::make_shared<CounterTable>(), false);
-    std::vector<unsigned char> c_dst(64, 0);
-    auto ct = std::make_shared<fabric::Target>();
-    ct->addresses.push_back(c->nic(0).address());
-    ct->rkeys.push_back(c->nic(0).register_remote(c_dst.data(), c_dst.size()));
-    ct->remote_base = reinterpret_cast<uint64_t>(c_dst.data());
+    auto third = p.third();
+    auto& c = third->engine;
+    auto& ct = third->target;
     auto& nic = p.b->nic(0);
     nic.record_writes = true;
     p.write_imm(400);  // both peers resolved, and known to the provider, before the test
@@ -309,12 +321,9 @@ void full_peers_take_turns() {
 
 void queue_depth_holds_each_peer_apart() {
     Pair p;
-    auto c = fabric_test::open_engine(p.fabric, "c", 1, std::make_shared<CounterTable>(), false);
-    std::vector<unsigned char> c_dst(64, 0);
-    auto ct = std::make_shared<fabric::Target>();
-    ct->addresses.push_back(c->nic(0).address());
-    ct->rkeys.push_back(c->nic(0).register_remote(c_dst.data(), c_dst.size()));
-    ct->remote_base = reinterpret_cast<uint64_t>(c_dst.data());
+    auto third = p.third();
+    auto& c = third->engine;
+    auto& ct = third->target;
     auto& nic = p.b->nic(0);
     const std::string a = p.a->nic(0).address(), cn = c->nic(0).address();
     auto to = [&](const std::string& who) {

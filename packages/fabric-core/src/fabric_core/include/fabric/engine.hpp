@@ -610,7 +610,8 @@ class Engine {
     // Writes past it wait in the engine, parked per peer like those a full provider queue
     // refuses, so the other peers' traffic goes on. On shm a sender that keeps the target's
     // whole queue (1,024 commands) full spins on the target's lock for every post while the
-    // target copies; a KV transfer of 64 KiB writes ran 12% faster held to 256.
+    // target copies: a KV transfer of 64 KiB writes ran 6.5% faster held to 256, an RL
+    // update ~40% faster held to 2 (docs/backends/efa.md, "Queue depth").
     void configure_queue(uint64_t per_peer_and_nic) {
         std::lock_guard<std::timed_mutex> lock(progress_mu_);
         queue_cap_ = per_peer_and_nic;
