@@ -67,7 +67,7 @@ def _rank(rank: int, conn: Any, barrier: Any, steps: int, warmup: int, profile: 
     from fabric_apps.moe import MoeAllToAll, MoeConfig, apply_experts, reference_moe
     from fabric_core import open_engine
 
-    torch.cuda.set_device(0)
+    torch.cuda.set_device(rank % torch.cuda.device_count())  # a GPU per rank where there are two
     engine = open_engine("efa", efa_provider="shm")
     out: dict[str, Any] = {"cuda_memory": engine.domains[0].details["cuda_memory"]}
     for name, tokens in SHAPES.items():
@@ -115,14 +115,16 @@ def _rank(rank: int, conn: Any, barrier: Any, steps: int, warmup: int, profile: 
 KV_LAYERS, KV_BLOCKS, KV_PAGES = 80, 512, 256
 
 
-def _kv_caches(fill: bool, device: str = "cuda", layers: int = KV_LAYERS) -> list[Any]:
-    """``layers`` Llama-3.1-70B layer caches on ``device``: zeros, or random (seed 9, so that
-    another process makes the same ones)."""
+def _kv_caches(
+    fill: bool, device: str = "cuda", layers: int = KV_LAYERS, kv_split: str = "stacked"
+) -> list[Any]:
+    """``layers`` Llama-3.1-70B layer caches on ``device`` (``kv_split`` layout): zeros, or
+    random (seed 9, so that another process makes the same ones)."""
     import torch
 
     from fabric_apps.kvcache import llama31_70b
 
-    shape = llama31_70b(KV_BLOCKS).accepted_shapes()[0]
+    shape = llama31_70b(KV_BLOCKS, kv_split=kv_split).accepted_shapes()[0]  # type: ignore[arg-type]
     g = torch.Generator(device=device).manual_seed(9)
     if not fill:
         return [torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(layers)]
@@ -290,7 +292,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "ranks": "2 processes, one GPU",
+        "ranks": f"2 processes, {min(2, torch.cuda.device_count())} GPU(s)",
         "shape": {"experts": EXPERTS, "top_k": TOP_K, "hidden": HIDDEN, "dtype": "bfloat16"},
         "cuda_memory": results[0]["cuda_memory"],
         "steps": args.steps,

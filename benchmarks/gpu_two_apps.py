@@ -57,6 +57,10 @@ from gpu_two import run_two_ranks
 WEIGHT_BYTES = 2 << 30
 DEV = "cpu" if os.environ.get("GPU_TWO_APPS_CPU") else "cuda"
 KV_LAYERS = int(os.environ.get("GPU_TWO_APPS_LAYERS", "80"))  # fewer for the script's check on CPU
+# "stacked" ([2, blocks, ...] per layer: vLLM's flash-attn layout; K and V of a page are two
+# 32 KiB writes) or "interleaved" ([blocks, 2, ...]: FlashInfer's; one 64 KiB write per page)
+KV_SPLIT = os.environ.get("GPU_TWO_APPS_KV_SPLIT", "stacked")
+PAGE_DIM = 1 if KV_SPLIT == "stacked" else 0
 SAME = bool(os.environ.get("GPU_TWO_APPS_SAME_GPU"))
 BASELINE = not SAME  # the NCCL (or, on CPU, gloo) halves
 
@@ -72,11 +76,16 @@ def _kv_layout() -> Any:
     """Llama-3.1-70B's (with KV_LAYERS layers)."""
     from fabric_apps.kvcache import llama31_70b
 
-    return dataclasses.replace(llama31_70b(KV_BLOCKS), num_layers=KV_LAYERS)
+    return dataclasses.replace(llama31_70b(KV_BLOCKS, kv_split=KV_SPLIT), num_layers=KV_LAYERS)  # type: ignore[arg-type]
 
 
 def _kv_caches(fill: bool) -> list[Any]:
-    return gpu_apps._kv_caches(fill, DEV, KV_LAYERS)
+    return gpu_apps._kv_caches(fill, DEV, KV_LAYERS, KV_SPLIT)
+
+
+def _pages_of(cache: Any, pages: Any) -> Any:
+    """``cache``'s K and V of ``pages`` (an index tensor), whatever the layout."""
+    return cache[:, pages] if PAGE_DIM == 1 else cache[pages]
 
 
 def _body(rank: int, port: int, reps: int, only: str | None) -> dict[str, Any]:
@@ -123,19 +132,25 @@ def _kv(rank: int, store: Any, engine: Any, reps: int) -> dict[str, Any]:
     if rank == 0:
         pf = KvPrefiller(engine, layout, caches, timeout=60)
         store.set("kv/prefill", pf.address.raw)
-        stage = [torch.empty_like(caches[0][:, :KV_PAGES]) for _ in range(KV_LAYERS)]
+        stage = [torch.empty_like(caches[0].narrow(PAGE_DIM, 0, KV_PAGES)) for _ in range(KV_LAYERS)]
+        stamps = []  # per repetition: request in hand, every layer submitted, every write done
         for rep in range(reps + 1):
-            job = pf.begin(pf.next_request(60), _kv_src(), timeout=60)
+            req = pf.next_request(60)
+            t_req = time.perf_counter()
+            job = pf.begin(req, _kv_src(), timeout=60)
             for layer in range(KV_LAYERS):
                 job.write_layer(layer)
+            t_sub = time.perf_counter()
             job.wait(60)
+            stamps.append((t_req, t_sub, time.perf_counter()))
             if not BASELINE:
                 continue
             store.get(f"kv/nccl-go/{rep}")  # the decoder asks
             for layer in range(KV_LAYERS):
-                torch.index_select(caches[layer], 1, src, out=stage[layer])
+                torch.index_select(caches[layer], PAGE_DIM, src, out=stage[layer])
                 dist.send(stage[layer], 1)
             _sync()
+        store.set("kv/prefill-stamps", json.dumps(stamps))
         store.get("kv/done")
         pf.close(timeout=10)
         return {}
@@ -143,12 +158,13 @@ def _kv(rank: int, store: Any, engine: Any, reps: int) -> dict[str, Any]:
     prefill = DomainAddress(raw=store.get("kv/prefill"))
     dec.connect(prefill, timeout=60)
     want = _kv_caches(True)
-    stage = [torch.empty_like(caches[0][:, :KV_PAGES]) for _ in range(KV_LAYERS)]
+    stage = [torch.empty_like(caches[0].narrow(PAGE_DIM, 0, KV_PAGES)) for _ in range(KV_LAYERS)]
+    starts: list[float] = []
 
     def check(pages: Any, what: str) -> None:
         for layer in range(KV_LAYERS):
-            a = caches[layer][:, pages].view(torch.int16)
-            b = want[layer][:, src].view(torch.int16)
+            a = _pages_of(caches[layer], pages).view(torch.int16)
+            b = _pages_of(want[layer], src).view(torch.int16)
             if not torch.equal(a, b):
                 raise SystemExit(f"kvcache ({what}): layer {layer} differs from the prefill's pages")
 
@@ -157,11 +173,15 @@ def _kv(rank: int, store: Any, engine: Any, reps: int) -> dict[str, Any]:
         h = dec.receive(prefill, f"seq{rep}", KV_PAGES)
         h.wait(60)
         fab.append(time.perf_counter() - t0)
+        starts.append(t0)
         pages = torch.as_tensor(h.pages, dtype=torch.int64, device=DEV)
         if rep == 0:
             check(pages, "fabric")
             for layer in range(KV_LAYERS):
-                caches[layer][:, pages] = 0
+                if PAGE_DIM == 1:
+                    caches[layer][:, pages] = 0
+                else:
+                    caches[layer][pages] = 0
             _sync()
         if not BASELINE:
             h.release()
@@ -171,21 +191,36 @@ def _kv(rank: int, store: Any, engine: Any, reps: int) -> dict[str, Any]:
         store.set(f"kv/nccl-go/{rep}", "1")
         for layer in range(KV_LAYERS):
             dist.recv(stage[layer], 0)
-            caches[layer].index_copy_(1, pages, stage[layer])
+            caches[layer].index_copy_(PAGE_DIM, pages, stage[layer])
         _sync()
         nccl.append(time.perf_counter() - t0)
         if rep == 0:
             check(pages, "NCCL")
         h.release()
+    stamps = json.loads(store.get("kv/prefill-stamps"))
     store.set("kv/done", "1")
     dec.close(timeout=10)
     nbytes = KV_LAYERS * 2 * KV_PAGES * 16 * 8 * 128 * 2
     f = statistics.median(fab[1:])  # the first maps the peer's memory
     c = statistics.median(nccl[1:]) if nccl else float("nan")
+    # where a request's time goes (one host, one monotonic clock): the request reaching the
+    # prefill, its Python submitting every layer, the writes landing after that
+    phases = {
+        "request_to_prefill_ms": [(s[0] - t0) * 1e3 for s, t0 in zip(stamps, starts, strict=True)][1:],
+        "prefill_submit_ms": [(s[1] - s[0]) * 1e3 for s in stamps][1:],
+        "prefill_submitted_to_done_ms": [(s[2] - s[1]) * 1e3 for s in stamps][1:],
+        "prefill_done_to_decoder_done_ms": [
+            (t0 + d - s[2]) * 1e3 for s, t0, d in zip(stamps, starts, fab, strict=True)
+        ][1:],
+    }
+    writes = KV_LAYERS * KV_PAGES * (1 if KV_SPLIT == "interleaved" else 2)
     return {
-        "request": "Llama-3.1-70B, 4096 tokens: 256 pages x 80 layers x K,V of 32 KiB, scattered both ends",
+        "request": f"Llama-3.1-70B, 4096 tokens: 256 pages x 80 layers x K,V of 32 KiB, scattered both ends, "
+        f"{KV_SPLIT} caches",
+        "kv_split": KV_SPLIT,
         "bytes": nbytes,
-        "work_requests": KV_LAYERS * 2 * KV_PAGES,
+        "work_requests": writes,
+        "phases_median_ms": {k: statistics.median(v) for k, v in phases.items()},
         "fabric_ms": f * 1e3,
         "nccl_ms": c * 1e3,
         "fabric_gb_s": nbytes / f / 1e9,
@@ -330,10 +365,13 @@ def main() -> None:
         json.dump(result, f, indent=1)
     if "kvcache" in result:
         kv = result["kvcache"]
+        phases = kv["phases_median_ms"]
         sys.stdout.write(
             f"kvcache: fabric {kv['fabric_ms']:.1f} ms ({kv['fabric_gb_s']:.1f} GB/s), "
             f"NCCL {kv['nccl_ms']:.1f} ms ({kv['nccl_gb_s']:.1f} GB/s): "
-            f"fabric/NCCL time {kv['fabric_over_nccl_time']:.2f}\n"
+            f"fabric/NCCL time {kv['fabric_over_nccl_time']:.2f} ({kv['kv_split']} caches, "
+            f"{kv['work_requests']} writes)\n"
+            f"  phases (median ms): {json.dumps({k: round(v, 2) for k, v in phases.items()})}\n"
         )
     for w in result.get("weights", []):
         sys.stdout.write(

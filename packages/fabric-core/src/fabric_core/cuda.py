@@ -81,6 +81,8 @@ class _Driver:
         lib.cuStreamCreate.argtypes = [ctypes.POINTER(_vp), ctypes.c_uint]
         lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(_vp)]
         lib.cuCtxSetCurrent.argtypes = [_vp]
+        lib.cuCtxPushCurrent_v2.argtypes = [_vp]
+        lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(_vp)]
         lib.cuCtxGetDevice.argtypes = [ctypes.POINTER(ctypes.c_int)]
         lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(_vp), ctypes.c_int]
         lib.cuMemHostAlloc.argtypes = [ctypes.POINTER(_vp), ctypes.c_size_t, ctypes.c_uint]
@@ -114,6 +116,10 @@ class _Driver:
         self.check("cuCtxGetCurrent", self.lib.cuCtxGetCurrent(ctypes.byref(cur)))
         if cur.value:
             return
+        self.check("cuCtxSetCurrent", self.lib.cuCtxSetCurrent(self._primary_ctx(ordinal)))
+
+    def _primary_ctx(self, ordinal: int) -> int:
+        """Device ``ordinal``'s primary context, retained once per process."""
         with self._lock:
             ctx = self._primary.get(ordinal)
             if ctx is None:
@@ -123,7 +129,25 @@ class _Driver:
                     self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(handle), ordinal),
                 )
                 ctx = self._primary[ordinal] = int(handle.value or 0)
-        self.check("cuCtxSetCurrent", self.lib.cuCtxSetCurrent(ctx))
+        return ctx
+
+    @contextmanager
+    def owning(self, ordinal: int) -> Iterator[None]:
+        """Device ``ordinal``'s primary context current for the block, where the current one
+        is another device's: the driver finds an allocation's range only in a context of its
+        own device (``cuMemGetAddressRange`` on another GPU's pointer answers "not found")."""
+        self.context(ordinal)
+        dev = ctypes.c_int(0)
+        self.check("cuCtxGetDevice", self.lib.cuCtxGetDevice(ctypes.byref(dev)))
+        if dev.value == ordinal:
+            yield
+            return
+        self.check("cuCtxPushCurrent", self.lib.cuCtxPushCurrent_v2(self._primary_ctx(ordinal)))
+        try:
+            yield
+        finally:
+            popped = _vp()
+            self.check("cuCtxPopCurrent", self.lib.cuCtxPopCurrent_v2(ctypes.byref(popped)))
 
     def stream(self) -> int:
         """This thread's copy stream (non-blocking: it waits for no other stream)."""
@@ -213,10 +237,11 @@ def pointer_device(ptr: int) -> AddressInfo | None:
         return None
     ordinal = drv.attribute(ptr, _POINTER_ATTRIBUTE_DEVICE_ORDINAL)
     base, size = _u64(0), ctypes.c_size_t(0)
-    drv.context(ordinal or 0)
-    drv.check(
-        "cuMemGetAddressRange", drv.lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr)
-    )
+    with drv.owning(ordinal or 0):
+        drv.check(
+            "cuMemGetAddressRange",
+            drv.lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr),
+        )
     return AddressInfo(int(ordinal or 0), int(base.value), int(size.value), kind == _MEMORYTYPE_UNIFIED)
 
 

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# On a lent GPU machine (no package index; PyTorch, pybind11, scikit-build-core, CMake there),
+# with .gpu carried (benchmarks/device/prepare.sh): installs fabric from the carried wheels,
+# builds fabric-efa against the machine's libfabric, then runs the steps named. Their logs and
+# results go to $OUT/results.tgz (the device tool returns at most 8 files), remade after each
+# step; OUT defaults to ./gpu-out. Each step is bounded by STEP_TIMEOUT seconds (default 300),
+# so what finished comes back even when a later step hangs.
+#
+#   bash benchmarks/device/run.sh STEP...
+#
+# Steps: info, tests (tests/gpu), two-gpu-test (the test that needs two GPUs), bench
+# (gpu_bench.py), apps (gpu_apps.py), per-wr (gpu_per_wr.py), two (gpu_two.py), two-apps
+# (gpu_two_apps.py), two-apps-interleaved (its KvCache with FlashInfer's cache layout), moe (fabric bench moe --device cuda --ranks 2 against NCCL),
+# moe-profile (gpu_apps.py --only moe with rank 0 under cProfile).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+dest=${OUT:-$PWD/gpu-out}
+out=$dest/results
+mkdir -p "$out"
+# NVLink multicast stays off on shared GPU hosts (the device README).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export FABRIC_EFA_PROVIDER=shm FI_TCP_IFACE=lo OMP_NUM_THREADS=1 CUDA_MODULE_LOADING=EAGER CUDA_DEVICE_MAX_CONNECTIONS=32
+export PYTHONPATH=$PWD/packages/fabric-core/src:$PWD/packages/fabric-sim/src:$PWD/packages/fabric-apps/src
+py=${PYTHON:-python3}
+step_timeout=${STEP_TIMEOUT:-300}
+
+setup() {
+  [ -d .gpu/wheels ] || { echo "carry .gpu (bash benchmarks/device/prepare.sh)" >&2; return 1; }
+  "$py" -m pip install -q --no-deps --no-index --force-reinstall .gpu/wheels/*.whl || return 1
+  local lib
+  lib=$(ldconfig -p | awk '/libfabric\.so\.1 /{print $NF; exit}')
+  [ -n "$lib" ] || { echo "no libfabric.so.1 on this machine" >&2; return 1; }
+  rm -rf /tmp/fabric-fi && mkdir -p /tmp/fabric-fi/lib /tmp/fabric-fi/include
+  cp -r .gpu/fi/include/rdma /tmp/fabric-fi/include/ && ln -s "$lib" /tmp/fabric-fi/lib/libfabric.so
+  LIBFABRIC_HOME=/tmp/fabric-fi "$py" -m pip install -q --no-deps --no-build-isolation \
+    ./packages/fabric-efa || return 1
+  "$py" -c 'import fabric_efa, fabric_core; print("fabric-efa built against", fabric_core.__file__)'
+}
+
+run_step() {
+  local name=$1; shift
+  local t0=$SECONDS
+  echo "=== $name: $*"
+  timeout -k 10 "$step_timeout" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
+  tail -n 25 "$out/$name.log"
+  tar czf "$dest/results.tgz" -C "$out" .
+}
+
+t0=$SECONDS
+setup >"$out/setup.log" 2>&1
+rc=$?
+tar czf "$dest/results.tgz" -C "$out" .
+[ $rc = 0 ] || { cat "$out/setup.log"; exit 1; }
+echo "setup: $((SECONDS - t0)) s"
+for step in "$@"; do
+  case $step in
+    info) run_step info bash -c "nvidia-smi; nvidia-smi topo -m; $py -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.device_count())'; $py -m fabric_core.cli info --backend efa" ;;
+    tests) run_step tests "$py" -m pytest tests/gpu -v -rs -p no:cacheprovider ;;
+    two-gpu-test) run_step two-gpu-test "$py" -m pytest tests/gpu -v -rs -p no:cacheprovider -k another_gpu ;;
+    bench) run_step bench "$py" benchmarks/gpu_bench.py --out "$out/gpu.json" --plot "$out/gpu.png" ;;
+    apps) run_step apps "$py" benchmarks/gpu_apps.py --out "$out/apps.json" ;;
+    per-wr) run_step per-wr "$py" benchmarks/gpu_per_wr.py ;;
+    two) run_step two "$py" benchmarks/gpu_two.py --out "$out/two.json" ;;
+    two-apps) run_step two-apps "$py" benchmarks/gpu_two_apps.py --out "$out/two-apps.json" ;;
+    two-apps-interleaved) GPU_TWO_APPS_KV_SPLIT=interleaved run_step two-apps-interleaved \
+           "$py" benchmarks/gpu_two_apps.py --only kv --out "$out/two-apps-interleaved.json" ;;
+    moe) run_step moe "$py" -m fabric_core.cli bench moe --backend efa --device cuda --ranks 2 \
+           --json "$out/moe-ep2-nccl.json" --plot "$out/moe-ep2-nccl.png" ;;
+    moe-profile) run_step moe-profile "$py" benchmarks/gpu_apps.py --only moe --steps 30 \
+           --out "$out/moe-apps.json" --profile "$out/moe-prof" ;;
+    *) echo "unknown step $step" >&2 ;;
+  esac
+done
+rm -rf "$out"
