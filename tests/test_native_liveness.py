@@ -11,7 +11,8 @@ for good if a peer died holding its queue lock). Case 5: a worker stuck inside s
 makes neither ``dump``, a fence, a cancel nor ``close`` wait for ever: ``close`` returns
 false after its bound, the engine says it is wedged, and its completion side is released.
 Case 8: the queue depth (``queue_depth``) holds each peer to its share of posted writes
-without holding up the others.
+without holding up the others. Case 10: writes the domain leaves out of the queue depth
+(the CUDA IPC domain's copies into a peer's GPU memory) are neither held by it nor take from it.
 (``nox -s sanitize`` runs it under ThreadSanitizer too.)
 """
 
@@ -50,6 +51,7 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("6", "0 loss(es) reported"),
         ("7", "switches between A and C"),
         ("8", "3 of 10 posted while held"),
+        ("10", "10 of 10 posted while held, then 2 of 3 counted ones"),
     ],
 )
 def test_liveness_probes_answer_late_and_fail_only_the_gone(program: Path, case: str, says: str) -> None:

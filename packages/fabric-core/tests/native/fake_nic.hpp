@@ -293,6 +293,10 @@ class FakeNic {
     std::atomic<bool> record_writes{false};  // while set, accepted_to() lists where writes went
     std::atomic<bool> hold_write_done{false};  // while set, landed writes are not reported
     std::atomic<int> hanging{0};          // threads inside such a post_write
+    // writes with this key do not count towards the engine's queue depth (as the CUDA IPC
+    // domain's copies into a peer's GPU memory do not); 0: every write counts
+    std::atomic<uint64_t> uncapped_rkey{0};
+    bool counts_toward_queue_depth(const fabric::WriteOp& w) const { return w.rkey != uncapped_rkey.load(); }
 
     std::thread::id poster() {
         std::lock_guard<std::mutex> lock(mu_);

@@ -202,6 +202,15 @@ class CudaIpcDomain : public Inner {
     const std::string& inbox_off() const { return inbox_why_; }
     const std::string& address() const { return address_; }
 
+    // Whether a write counts towards the engine's queue depth (Engine::configure_queue). The
+    // depth keeps a sender out of the provider's queue to a busy peer (on shm, a spin on the
+    // target's queue lock). A copy into a peer's CUDA memory waits in no provider queue: it
+    // is a segment for the next launch of the copy-list kernel, or a copy on this domain's
+    // stream. Capping those made a paged request a pipeline of depth-sized batches, each
+    // waiting for its kernel's event before the next was posted (two GPUs: KvCache 21 ms;
+    // figures in docs/gpu.md). Zero-length writes (an imm alone) may go through the provider.
+    bool counts_toward_queue_depth(const WriteOp& w) const { return !(ipc_ && (w.rkey & kIpcKeyBit) && w.len > 0); }
+
     uint64_t insert_peer(const std::string& address) {
         size_t n = address.size();
         if (n < kTrailerBytes || std::memcmp(address.data() + n - sizeof(kTrailerMagic), kTrailerMagic,

@@ -241,6 +241,7 @@ struct OpCtx {
     bool carrier = false;             // a bytes-only retry that then carries a make-up imm
     struct RetryBatch* retry = nullptr;  // the reconciliation it is a bytes-only retry of
     uint32_t posts = 0;               // times posted (fence(): which posting it waits for)
+    bool queued = false;              // posted and counted in its peer's ``queued`` (queue depth)
 };
 
 // The bytes-only retries of one reconciliation: the make-up imms go once all have landed.
@@ -1135,7 +1136,6 @@ class Engine {
             if (known.size() < nics_.size()) known.resize(nics_.size());
             if (n < t.addresses.size()) known[n] = t.addresses[n];
         }
-        if (queue_cap_ != 0 && t.state->queued >= queue_cap_ * nics_.size()) return kCapped;
         WriteOp w;
         w.src = reinterpret_cast<const void*>(op.src);
         w.len = op.mode == OpCtx::kImmOnly ? 0 : op.len;
@@ -1145,11 +1145,14 @@ class Engine {
         w.rkey = t.rkeys[n];
         w.has_imm = imm;
         w.imm = r.imm;
+        bool capped = counts_toward_queue_depth(*nics_[n], w, 0);
+        if (capped && queue_cap_ != 0 && t.state->queued >= queue_cap_ * nics_.size()) return kCapped;
         int rc = nics_[n]->post_write(w, &op);
         if (rc == 0) {
             NicTraffic::bump(traffic_[n].inflight);
             t.state->inflight++;
-            t.state->queued++;
+            if (capped) t.state->queued++;
+            op.queued = capped;
         }
         if (rc == 0 && path) {
             if (imm) path->imm_busy++;
@@ -1264,13 +1267,27 @@ class Engine {
         PeerState* p = op.target < r.targets.size() ? r.targets[op.target]->state : nullptr;
         if (p == nullptr) return;
         if (p->inflight > 0) p->inflight--;
-        if (p->queued > 0) p->queued--;
+        if (op.queued && p->queued > 0) p->queued--;
         if (ok) {
             p->wrs++;
             p->bytes += len;
         } else {
             p->errors++;
         }
+    }
+
+    // Whether the domain counts a write towards the queue depth (a domain says so through
+    // counts_toward_queue_depth(const WriteOp&); one that does not: every write counts). A
+    // domain that moves some writes without the provider's queues (CUDA IPC copies) leaves
+    // those out.
+    template <class D>
+    static auto counts_toward_queue_depth(const D& d, const WriteOp& w, int)
+        -> decltype(d.counts_toward_queue_depth(w)) {
+        return d.counts_toward_queue_depth(w);
+    }
+    template <class D>
+    static bool counts_toward_queue_depth(const D&, const WriteOp&, long) {
+        return true;
     }
 
     void path_reported(PathState& path) {
