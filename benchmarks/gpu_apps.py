@@ -106,7 +106,9 @@ def _rank(rank: int, conn: Any, barrier: Any, steps: int, warmup: int, profile: 
         if prof:
             prof.disable()
             with open(f"{profile}.{name}.txt", "w") as f:
-                pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(40)
+                stats = pstats.Stats(prof, stream=f)
+                stats.sort_stats("cumulative").print_stats(60)
+                stats.sort_stats("tottime").print_stats(40)
         moe.close()
     conn.send(out)
     engine.close()

@@ -62,7 +62,8 @@ KV_LAYERS = int(os.environ.get("GPU_TWO_APPS_LAYERS", "80"))  # fewer for the sc
 KV_SPLIT = os.environ.get("GPU_TWO_APPS_KV_SPLIT", "stacked")
 PAGE_DIM = 1 if KV_SPLIT == "stacked" else 0
 SAME = bool(os.environ.get("GPU_TWO_APPS_SAME_GPU"))
-BASELINE = not SAME  # the NCCL (or, on CPU, gloo) halves
+# the NCCL (or, on CPU, gloo) halves; GPU_TWO_APPS_FABRIC_ONLY=1 leaves them out (profiling)
+BASELINE = not SAME and not os.environ.get("GPU_TWO_APPS_FABRIC_ONLY")
 
 
 def _sync() -> None:

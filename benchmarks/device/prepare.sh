@@ -5,9 +5,14 @@
 # machine with PyPI and libfabric-dev), then carry .gpu to the GPU machine and run
 # benchmarks/device/run.sh there.
 #
-#   bash benchmarks/device/prepare.sh [PYTHON_VERSION]   # default 3.12, the GPU image's
+#   bash benchmarks/device/prepare.sh [--perf] [PYTHON_VERSION]   # default 3.12, the GPU image's
+#
+# --perf also copies this machine's perf and the libraries it needs beyond the C and C++
+# runtimes into .gpu/perf (the GPU image has no perf; run.sh's perf-kv step uses it).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+perf=0
+if [ "${1:-}" = --perf ]; then perf=1; shift; fi
 pyver=${1:-3.12}
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exclude
 rm -rf .gpu && mkdir -p .gpu/wheels .gpu/fi/include/rdma
@@ -19,4 +24,11 @@ python3 -m pip download -q -d .gpu/wheels --python-version "$pyver" --only-binar
 # Installed for their entry points (fabric.backends, the CLI); run.sh puts the tree's sources
 # first on PYTHONPATH, so a change here needs no new wheel.
 python3 -m pip wheel -q --no-deps -w .gpu/wheels ./packages/fabric-core ./packages/fabric-sim ./packages/fabric-apps
+if [ $perf = 1 ]; then
+  bin=$(readlink -f "$(command -v perf)") || { echo "no perf here (apt-get install linux-perf)" >&2; exit 1; }
+  mkdir -p .gpu/perf/lib && cp "$bin" .gpu/perf/perf
+  for lib in $(ldd "$bin" | awk '/=>/{print $3}'); do
+    case $(basename "$lib") in libc.so* | libm.so* | libstdc++* | libgcc_s* | libz.so* | ld-linux*) ;; *) cp -L "$lib" .gpu/perf/lib/ ;; esac
+  done
+fi
 du -sh .gpu

@@ -11,7 +11,8 @@
 # Steps: info, tests (tests/gpu), two-gpu-test (the test that needs two GPUs), bench
 # (gpu_bench.py), apps (gpu_apps.py), per-wr (gpu_per_wr.py), two (gpu_two.py), two-apps
 # (gpu_two_apps.py), two-apps-interleaved (its KvCache with FlashInfer's cache layout), moe (fabric bench moe --device cuda --ranks 2 against NCCL),
-# moe-profile (gpu_apps.py --only moe with rank 0 under cProfile).
+# moe-profile (gpu_apps.py --only moe with rank 0 under cProfile), perf-kv (benchmarks/device/
+# perf_kv.sh: a flat CPU profile of both KvCache processes; needs .gpu/perf, prepare.sh --perf).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 dest=${OUT:-$PWD/gpu-out}
@@ -70,6 +71,7 @@ for step in "$@"; do
            --json "$out/moe-ep2-nccl.json" --plot "$out/moe-ep2-nccl.png" ;;
     moe-profile) run_step moe-profile "$py" benchmarks/gpu_apps.py --only moe --steps 30 \
            --out "$out/moe-apps.json" --profile "$out/moe-prof" ;;
+    perf-kv) run_step perf-kv bash benchmarks/device/perf_kv.sh "$py" "$out" ;;
     *) echo "unknown step $step" >&2 ;;
   esac
 done
