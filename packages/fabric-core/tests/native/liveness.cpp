@@ -126,6 +126,21 @@ struct Pair {
         return t;
     }
 
+    // How many of the writes B's NIC took went to ``who`` (FakeNic::record_writes on).
+    long writes_to(const std::string& who) {
+        auto all = b->nic(0).accepted_to();
+        return std::count(all.begin(), all.end(), who);
+    }
+
+    // Whether A counts one more ``imm`` within 5 s.
+    bool counted(uint32_t imm) {
+        auto w = std::make_shared<CounterTable::Waiter>();
+        w->n = 1;
+        int rc = counters->enqueue(imm, w);
+        if (rc == fabric::kCountQueued) rc = counters->block(w, Clock::now() + std::chrono::seconds(5));
+        return rc == fabric::kCountOk;
+    }
+
     // B writes 8 bytes carrying ``imm`` to A (or to ``to``).
     void write_imm(uint32_t imm, const std::shared_ptr<fabric::Target>& to = nullptr) {
         auto req = std::make_unique<fabric::Request>();
@@ -325,6 +340,13 @@ void full_peers_take_turns() {
     CHECK(c->close(1.0));
 }
 
+// Waits until ``done()`` (at most 5 s), then 20 ms more, so that nothing else follows.
+template <class Done>
+void settle(Done done) {
+    for (int i = 0; i < 5000 && !done(); i++) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+}
+
 void queue_depth_holds_each_peer_apart() {
     Pair p;
     auto third = p.third();
@@ -332,14 +354,7 @@ void queue_depth_holds_each_peer_apart() {
     auto& ct = third->target;
     auto& nic = p.b->nic(0);
     const std::string a = p.a->nic(0).address(), cn = c->nic(0).address();
-    auto to = [&](const std::string& who) {
-        auto all = nic.accepted_to();
-        return std::count(all.begin(), all.end(), who);
-    };
-    auto settle = [&](auto done) {
-        for (int i = 0; i < 5000 && !done(); i++) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));  // and nothing more follows
-    };
+    auto to = [&](const std::string& who) { return p.writes_to(who); };
     nic.record_writes = true;
     p.b->configure_queue(3);
     nic.hold_write_done = true;
@@ -353,13 +368,7 @@ void queue_depth_holds_each_peer_apart() {
     nic.release_writes();
     settle([&] { return to(a) >= 10; });
     CHECK(to(a) == 10 && to(cn) == 1);
-    for (int i = 0; i < 10; i++) {  // every write landed: A counted each imm once
-        auto w = std::make_shared<CounterTable::Waiter>();
-        w->n = 1;
-        int rc = p.counters->enqueue(500 + i, w);
-        if (rc == fabric::kCountQueued) rc = p.counters->block(w, Clock::now() + std::chrono::seconds(5));
-        CHECK(rc == fabric::kCountOk);
-    }
+    for (int i = 0; i < 10; i++) CHECK(p.counted(500 + i));  // every write landed: A counted each imm once
     // no cap: all ten posted at once
     p.b->configure_queue(0);
     nic.hold_write_done = true;
@@ -378,14 +387,7 @@ void writes_the_domain_leaves_out_of_the_queue_depth() {
     auto& c = third->engine;
     auto& nic = p.b->nic(0);
     const std::string a = p.a->nic(0).address(), cn = c->nic(0).address();
-    auto to = [&](const std::string& who) {
-        auto all = nic.accepted_to();
-        return std::count(all.begin(), all.end(), who);
-    };
-    auto settle = [&](auto done) {
-        for (int i = 0; i < 5000 && !done(); i++) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));  // and nothing more follows
-    };
+    auto to = [&](const std::string& who) { return p.writes_to(who); };
     nic.record_writes = true;
     p.b->configure_queue(2);
     nic.hold_write_done = true;
@@ -402,13 +404,7 @@ void writes_the_domain_leaves_out_of_the_queue_depth() {
     nic.release_writes();
     settle([&] { return to(a) >= 13; });
     CHECK(to(a) == 13 && to(cn) == 0);
-    for (int i = 0; i < 13; i++) {  // every write landed: A counted each imm once
-        auto w = std::make_shared<CounterTable::Waiter>();
-        w->n = 1;
-        int rc = p.counters->enqueue(800 + i, w);
-        if (rc == fabric::kCountQueued) rc = p.counters->block(w, Clock::now() + std::chrono::seconds(5));
-        CHECK(rc == fabric::kCountOk);
-    }
+    for (int i = 0; i < 13; i++) CHECK(p.counted(800 + i));  // every write landed: A counted each imm once
     std::printf("uncounted writes: 10 of 10 posted while held, then 2 of 3 counted ones\n");
     CHECK(c->close(1.0));
 }
