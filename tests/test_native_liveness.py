@@ -11,8 +11,11 @@ for good if a peer died holding its queue lock). Case 5: a worker stuck inside s
 makes neither ``dump``, a fence, a cancel nor ``close`` wait for ever: ``close`` returns
 false after its bound, the engine says it is wedged, and its completion side is released.
 Case 8: the queue depth (``queue_depth``) holds each peer to its share of posted writes
-without holding up the others. Case 10: writes the domain leaves out of the queue depth
-(the CUDA IPC domain's copies into a peer's GPU memory) are neither held by it nor take from it.
+without holding up the others. Case 9: a peer of this process that closes (an shm endpoint
+whose memory goes with it) is neither posted to by writes that waited behind the depth nor
+left before the writes it took are reaped (both crashed the efa suite at depth 2).
+Case 10: writes the domain leaves out of the queue depth (the CUDA IPC domain's copies into
+a peer's GPU memory) are neither held by it nor take from it.
 (``nox -s sanitize`` runs it under ThreadSanitizer too.)
 """
 
@@ -51,6 +54,7 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("6", "0 loss(es) reported"),
         ("7", "switches between A and C"),
         ("8", "3 of 10 posted while held"),
+        ("9", "0 posts to the closed endpoint, 0 writes reaped after it was gone"),
         ("10", "10 of 10 posted while held, then 2 of 3 counted ones"),
     ],
 )

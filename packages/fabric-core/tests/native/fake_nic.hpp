@@ -4,7 +4,9 @@
 // NIC of the process is in one registry (FakeFabric); a NIC that is gone makes posts to it fail
 // like an unreachable peer. FakeFabric::on_send, where set, sees every message sent (the fuzz
 // target records frames with it). FakeNic::refuse_sends makes its next sends answer -EAGAIN;
-// hold_write_done keeps landed writes unreported until release_writes().
+// hold_write_done keeps landed writes unreported until release_writes(); posts_to_closed
+// counts posts to an address in fabric::ClosedSet, reaped_after_free the write completions
+// polled once the target's NIC is gone (on shm: both a use of freed memory).
 #pragma once
 
 #include <fabric/engine.hpp>
@@ -83,6 +85,7 @@ class FakeNic {
         }
         std::string to = peer_address(w.peer);
         if (to.empty()) return -EHOSTUNREACH;
+        if (fabric::ClosedSet::instance().contains(to)) posts_to_closed.fetch_add(1);
         for (int c = write_credits.load(); c >= 0;) {  // a provider queue with room for ``c`` more
             if (c == 0) {  // full; with refill_every, the post after that many refusals is taken
                 int every = refill_every.load();
@@ -116,9 +119,9 @@ class FakeNic {
             writes_.fetch_add(1, std::memory_order_relaxed);
             if (hold_write_done.load()) {  // landed, but not reported until release_writes()
                 std::lock_guard<std::mutex> lock(mu_);
-                held_.push_back({Event::kWriteDone, ctx, 0, 0, 0, 0, {}});
+                held_.push_back({Event::kWriteDone, ctx, 0, 0, 0, 0, {}, to});
             } else {
-                push({Event::kWriteDone, ctx, 0, 0, 0, 0, {}});
+                push({Event::kWriteDone, ctx, 0, 0, 0, 0, {}, to});
             }
         }
         return 0;
@@ -145,6 +148,7 @@ class FakeNic {
         }
         std::string to = peer_address(peer);
         if (to.empty()) return -EHOSTUNREACH;
+        if (fabric::ClosedSet::instance().contains(to)) posts_to_closed.fetch_add(1);
         bool landed = false;
         {
             std::lock_guard<std::mutex> reg(fabric_.mu);
@@ -190,7 +194,13 @@ class FakeNic {
         }
         for (auto& e : batch) {
             switch (e.kind) {
-                case Event::kWriteDone: sink.on_write_done(e.ctx); break;
+                case Event::kWriteDone:
+                    if (!e.to.empty()) {  // reaped: on shm the sender's provider touches the target's memory
+                        std::lock_guard<std::mutex> reg(fabric_.mu);
+                        if (!fabric_.nics.count(e.to)) reaped_after_free.fetch_add(1);
+                    }
+                    sink.on_write_done(e.ctx);
+                    break;
                 case Event::kSendDone: sink.on_send_done(e.ctx); break;
                 case Event::kRecv: sink.on_recv(e.ctx, e.len); break;
                 case Event::kImm: sink.on_imm(e.imm, e.src); break;
@@ -218,6 +228,7 @@ class FakeNic {
         uint64_t src;
         int32_t status;
         std::string message;
+        std::string to;  // a write's target (its completion: see reaped_after_free)
     };
     struct Recv {
         char* buf;
@@ -297,6 +308,12 @@ class FakeNic {
     // domain's copies into a peer's GPU memory do not); 0: every write counts
     std::atomic<uint64_t> uncapped_rkey{0};
     bool counts_toward_queue_depth(const fabric::WriteOp& w) const { return w.rkey != uncapped_rkey.load(); }
+    // posts (writes, sends) to an address in fabric::ClosedSet: an endpoint of this process
+    // that was closed, whose memory a real shm post would touch after it was freed (SIGSEGV)
+    std::atomic<int> posts_to_closed{0};
+    // write completions polled after the target's NIC was destroyed: on shm, a sender reaping
+    // a write through the memory of a target of this process that has closed (SIGSEGV)
+    std::atomic<int> reaped_after_free{0};
 
     std::thread::id poster() {
         std::lock_guard<std::mutex> lock(mu_);

@@ -39,6 +39,17 @@
 //    of 10 writes to A, whose completions are held, 3 are posted and 7 wait in B; a write to
 //    C meanwhile goes out at once; once A's are reported the rest follow, in order, and every
 //    one lands. With the cap off, all 10 are posted at once.
+// 9. A peer of this process closes while writes to it are under way and waiting behind the
+//    queue depth. B has 2 of 10 writes to A posted (landed, completions held) and 8 waiting;
+//    a send to A waits too (B's sends refused). A closes as the binding closes an engine: its
+//    address goes into the process's closed set, then the engine closes, and then it is
+//    destroyed (on shm its memory is unmapped); B's completions come 100 ms into A's close.
+//    A's close waits until B has reaped its 2 writes (on shm a sender reaps a write through
+//    the target's memory), and none of the waiting writes, nor the send, is posted to A; they
+//    fail as PeerUnreachable. Before, A's close returned at once, B reaped its 2 writes after
+//    A was gone, and posted the 8 writes and the send to it: on shm each is a use of freed
+//    memory, the SIGSEGV of an efa-suite run at depth 2 (the waiting writes) and of
+//    benchmarks-like closes at any depth (the reaping).
 // 10. Writes the domain leaves out of the queue depth (counts_toward_queue_depth: the CUDA IPC
 //    domain's copies into a peer's GPU memory wait in no provider queue). At depth 2, with
 //    completions held, all 10 such writes to A are posted, and they take none of A's depth:
@@ -55,6 +66,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -108,7 +120,7 @@ struct Pair {
 
     ~Pair() {
         stop = true;
-        completer.join();
+        if (completer.joinable()) completer.join();
     }
 
     // A third engine, C, with 64 registered bytes, and B's target there.
@@ -409,10 +421,69 @@ void writes_the_domain_leaves_out_of_the_queue_depth() {
     CHECK(c->close(1.0));
 }
 
+void a_peer_closed_with_writes_waiting_for_it() {
+    Pair p;
+    auto& nic = p.b->nic(0);
+    const std::string a = p.a->nic(0).address();
+    p.write_imm(700);  // A resolved and known to B's provider first
+    CHECK(p.counted(700));
+    std::map<uint64_t, int32_t> done;  // B's completions, by request id
+    auto take = [&](size_t n) {
+        for (int i = 0; i < 500 && done.size() < n; i++)
+            for (auto& c : p.b->wait_batch(0.01).done) done[c.id] = c.status;
+    };
+    take(1);
+    done.clear();
+    p.b->configure_queue(2);
+    nic.hold_write_done = true;
+    uint64_t first = p.next_id;
+    for (int i = 0; i < 10; i++) p.write_imm(710 + i);
+    settle([&] { return nic.held_writes() >= 2; });
+    CHECK(nic.held_writes() == 2);
+    nic.refuse_sends = 1 << 30;  // a send to A waits in B too
+    auto send = std::make_unique<fabric::Request>();
+    uint64_t send_id = send->id = p.next_id++;
+    send->send_to = a;
+    send->payload = "late";
+    p.b->submit(std::move(send), false);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    // A closes as NativeEngine's close does it: into the closed set, then the engine
+    fabric::ClosedSet::instance().add(a);
+    std::thread completions([&] {  // B's completions come 100 ms into A's close
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        nic.refuse_sends = 0;
+        nic.hold_write_done = false;
+        nic.release_writes();
+    });
+    auto t0 = Clock::now();
+    CHECK(p.a->close(5.0));
+    double closed_after = std::chrono::duration<double>(Clock::now() - t0).count();
+    p.stop = true;  // A's completion thread, then A itself: its NIC (on shm, its memory) goes
+    p.completer.join();
+    p.a.reset();
+    completions.join();
+    take(11);
+    int ok = 0, unreachable = 0;
+    for (uint64_t id = first; id < first + 10; id++) {
+        ok += done.count(id) && done[id] == fabric::kOk;
+        unreachable += done.count(id) && done[id] == fabric::kPeerUnreachable;
+    }
+    bool send_failed = done.count(send_id) && done[send_id] == fabric::kPeerUnreachable;
+    std::printf("closed peer: close took %.3f s; %d posts to the closed endpoint, %d writes reaped after it was "
+                "gone; of 10 writes %d completed, %d unreachable; send %s\n",
+                closed_after, nic.posts_to_closed.load(), nic.reaped_after_free.load(), ok, unreachable,
+                send_failed ? "unreachable" : "not failed");
+    fabric::ClosedSet::instance().remove(a);
+    CHECK(nic.posts_to_closed.load() == 0 && nic.reaped_after_free.load() == 0);
+    CHECK(closed_after >= 0.09 && closed_after < 0.9);  // it waited for the reaping, not its bound
+    // the 2 posted ones complete, unless B found A lost first (its probe refused: A is closed)
+    CHECK(ok <= 2 && ok + unreachable == 10 && send_failed);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-    std::string only = argc > 1 ? argv[1] : "";  // "1" to "8": that case alone
+    std::string only = argc > 1 ? argv[1] : "";  // "1" to "9": that case alone
     if (only.empty() || only == "1") answers_refused_for_a_while();
     if (only.empty() || only == "2") a_probe_left_over_from_an_earlier_wait();
     if (only.empty() || only == "3") a_peer_that_is_gone();
@@ -421,6 +492,7 @@ int main(int argc, char** argv) {
     if (only.empty() || only == "6") a_wait_naming_this_engine();
     if (only.empty() || only == "7") full_peers_take_turns();
     if (only.empty() || only == "8") queue_depth_holds_each_peer_apart();
+    if (only.empty() || only == "9") a_peer_closed_with_writes_waiting_for_it();
     if (only.empty() || only == "10") writes_the_domain_leaves_out_of_the_queue_depth();
     std::printf("liveness: ok\n");
     return 0;

@@ -177,6 +177,11 @@ struct PeerState {
     // (configure_queue) holds down. Kept apart from ``inflight`` (a stat), and zeroed when the
     // peer is evicted, so writes a lost peer never reports cannot cap its next incarnation.
     uint64_t queued = 0;
+    // The same writes counted for the process (fabric/closed.hpp, InboundWrites: a peer of
+    // this process that closes waits until they are reaped), never zeroed by an eviction, and
+    // the process-wide counter of the peer's address they are part of.
+    uint64_t posted_here = 0;
+    std::shared_ptr<std::atomic<int64_t>> inbound;
 };
 
 // One NIC's traffic (stats): bumped by whoever runs progress (one thread at a time, under
@@ -217,6 +222,8 @@ struct Target {
     std::vector<uint64_t> peers;         // per NIC, kUnresolved until the worker resolves it
     PeerState* state = nullptr;          // the peer's liveness state (worker only)
     uint64_t epoch = 0;                  // the engine's peer epoch ``peers`` was resolved in
+    uint64_t closed_epoch = 0;           // the ClosedSet epoch ``closed`` was read at (worker only)
+    bool closed = false;                 // addresses[0] is an endpoint closed in this process
     static constexpr uint64_t kUnresolved = ~uint64_t(0);
 };
 
@@ -242,6 +249,7 @@ struct OpCtx {
     struct RetryBatch* retry = nullptr;  // the reconciliation it is a bytes-only retry of
     uint32_t posts = 0;               // times posted (fence(): which posting it waits for)
     bool queued = false;              // posted and counted in its peer's ``queued`` (queue depth)
+    bool inbound = false;             // posted and counted in its peer's ``posted_here``
 };
 
 // The bytes-only retries of one reconciliation: the make-up imms go once all have landed.
@@ -1079,6 +1087,11 @@ class Engine {
             pending_[op->nic].push_back(op);
             return;
         }
+        if (rc == kGone) {  // never posted; the peer is not suspect, it is gone for good
+            if (op->kind == 0) NicTraffic::bump(traffic_[n].errors);
+            fail_op(*op, kPeerUnreachable, "the peer is an endpoint of this process that was closed");
+            return;
+        }
         if (rc != 0 && op->kind == 0 && path_lost(*op, kPeerUnreachable, std::strerror(-rc), false)) return;
         if (rc != 0) {
             if (op->kind == 0) NicTraffic::bump(traffic_[n].errors);
@@ -1096,6 +1109,7 @@ class Engine {
     int post(uint32_t n, OpCtx& op) {
         Request& r = *op.request;
         if (op.kind == 1) {
+            if (ClosedSet::instance().contains(r.send_to)) return kGone;
             if (op.src == 0) {  // first attempt: take a bounce slot (none free: retry later)
                 if (free_slots_.empty()) return -EAGAIN;
                 op.src = uint64_t(free_slots_.back()) + 1;
@@ -1107,6 +1121,7 @@ class Engine {
             return nics_[n]->post_send(send_slot(op.src - 1), r.payload.size() + 1, send_desc_, op.dst_off, &op);
         }
         Target& t = *r.targets[op.target];
+        if (closed(t)) return kGone;
         if (t.peers.size() != nics_.size() || t.epoch != epoch_) {  // new, or a peer was evicted since
             t.peers.assign(nics_.size(), Target::kUnresolved);
             t.epoch = epoch_;
@@ -1147,18 +1162,46 @@ class Engine {
         w.imm = r.imm;
         bool capped = counts_toward_queue_depth(*nics_[n], w, 0);
         if (capped && queue_cap_ != 0 && t.state->queued >= queue_cap_ * nics_.size()) return kCapped;
+        // Announced to the process before the last look at whether the peer closed: a peer
+        // closing in this process adds itself to ClosedSet, then waits for the count (its
+        // drain_on_close), so either it sees this post coming or this post sees it closed.
+        PeerState& ps = *t.state;
+        if (!ps.inbound) ps.inbound = InboundWrites::instance().counter(ps.address);
+        ps.inbound->fetch_add(1, std::memory_order_seq_cst);
+        if (closed(t)) {
+            ps.inbound->fetch_sub(1, std::memory_order_seq_cst);
+            return kGone;
+        }
         int rc = nics_[n]->post_write(w, &op);
         if (rc == 0) {
             NicTraffic::bump(traffic_[n].inflight);
             t.state->inflight++;
             if (capped) t.state->queued++;
             op.queued = capped;
+            ps.posted_here++;
+            op.inbound = true;
+        } else {
+            ps.inbound->fetch_sub(1, std::memory_order_seq_cst);
         }
         if (rc == 0 && path) {
             if (imm) path->imm_busy++;
             if (path->busy++ == 0) path->progress = now_;
         }
         return rc;
+    }
+
+    // Whether ``t`` is an endpoint of this process that closed (since the write was submitted:
+    // the binding refuses writes to one at submit, but a write can wait here long after,
+    // behind the queue depth or a full provider queue). On shm its memory is gone, and a post
+    // to it touches freed provider state (SIGSEGV in the poster). One atomic load unless an
+    // endpoint closed or reopened since ``t`` was last looked at.
+    static bool closed(Target& t) {
+        uint64_t epoch = ClosedSet::instance().epoch();
+        if (t.closed_epoch != epoch) {
+            t.closed = !t.addresses.empty() && ClosedSet::instance().contains(t.addresses[0]);
+            t.closed_epoch = epoch;
+        }
+        return t.closed;
     }
 
     // A usable NIC other than ``n`` for an op to ``p``: NIC 0 always is (its failures are the
@@ -1252,7 +1295,7 @@ class Engine {
     }
 
     // A posted write was reported (``ok``: completed): the traffic counters move.
-    void reported(const OpCtx& op, bool ok) {
+    void reported(OpCtx& op, bool ok) {
         if (op.kind != 0 || op.nic >= nics_.size()) return;
         NicTraffic& t = traffic_[op.nic];
         NicTraffic::drop(t.inflight);
@@ -1268,6 +1311,11 @@ class Engine {
         if (p == nullptr) return;
         if (p->inflight > 0) p->inflight--;
         if (op.queued && p->queued > 0) p->queued--;
+        if (op.inbound && p->posted_here > 0) {  // reaped: the provider is done with the peer's memory for it
+            p->posted_here--;
+            p->inbound->fetch_sub(1, std::memory_order_seq_cst);
+        }
+        op.inbound = false;
         if (ok) {
             p->wrs++;
             p->bytes += len;
@@ -2221,11 +2269,31 @@ class Engine {
     }
 
     void drain_on_close() {
-        // Give posted work a short grace period, then fail everything left.
-        auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
-        while (inflight_ > 0 && std::chrono::steady_clock::now() < deadline) {
+        // Give posted work a short grace period, then fail everything left. An engine closing
+        // in this process (its address in ClosedSet: guarded providers, shm) also goes on
+        // taking commands until the writes this process's engines have under way to it are
+        // reaped, for at most kInboundGrace: on shm a sender reaps a write through the
+        // target's memory, which goes with the endpoint (fabric/closed.hpp, InboundWrites).
+        // Before, a write the target took just before it closed could be reaped by its sender
+        // after that (SIGSEGV in the sender's poll).
+        auto start = std::chrono::steady_clock::now();
+        auto deadline = start + std::chrono::milliseconds(200), inbound_deadline = start + kInboundGrace;
+        const bool closing_here = ClosedSet::instance().contains(self_address_);
+        auto& inbound = InboundWrites::instance();
+        while (true) {
+            auto now = std::chrono::steady_clock::now();
+            bool own = inflight_ > 0 && now < deadline;
+            bool theirs = closing_here && now < inbound_deadline && inbound.outstanding(self_address_) > 0;
+            if (!own && !theirs) break;
             post_pending();
             poll_all();
+            if (!own) std::this_thread::yield();  // the senders reap on threads of their own
+        }
+        // this engine's own writes still under way are reaped by no one now: their targets
+        // need not wait for them
+        for (auto& [address, p] : peer_state_) {
+            if (p.posted_here > 0) p.inbound->fetch_sub(static_cast<int64_t>(p.posted_here), std::memory_order_seq_cst);
+            p.posted_here = 0;
         }
         for (auto& q : pending_) q.clear();
         for (auto& park : parked_) park.clear();
@@ -2277,6 +2345,9 @@ class Engine {
 
     static constexpr int kRerouted = 1;  // post(): the op moved to another NIC's queue
     static constexpr int kCapped = 2;    // post(): its peer has the queue depth's worth posted
+    static constexpr int kGone = 3;      // post(): its peer is an endpoint of this process, closed
+    // how long a closing engine waits for this process's writes to it to be reaped (drain_on_close)
+    static constexpr auto kInboundGrace = std::chrono::seconds(1);
     uint64_t queue_cap_ = 0;             // configure_queue (0: none)
     std::string self_address_;
     // failure detection (worker only)
