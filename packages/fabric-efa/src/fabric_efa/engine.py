@@ -13,7 +13,7 @@ from fabric_core.settings import FabricSettings
 
 from . import _efa
 
-__all__ = ["EfaEngine"]
+__all__ = ["EfaEngine", "default_queue_depth"]
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +24,22 @@ logger = logging.getLogger(__name__)
 # address closed here says nothing about who owns it now. Peers that die in other processes
 # are the liveness protocol's to detect.
 _PROCESS_SCOPED = frozenset({"shm"})
+
+# The queue depth (``FabricSettings.queue_depth``) where the settings make no choice: writes
+# posted and not yet completed per peer and NIC. On shm a target copies its whole queue holding
+# the queue's lock, and a sender whose post meets a busy target spins on that lock until the
+# batch is done while its other targets starve; two writes per peer keep each post short, so
+# several senders' writes interleave across their targets: an RL update (4 trainers, 2
+# inference ranks, 2 cores) went from 460-502 ms at 256 to 272-283 ms at 2, and a KV transfer
+# did not suffer (6.04 GB/s at 2, 5.77 at 256). Elsewhere (tcp, efa) 256 as before: the depth
+# was measured on shm only (docs/backends/efa.md, "Queue depth").
+_QUEUE_DEPTH = {"shm": 2}
+_QUEUE_DEPTH_ELSEWHERE = 256
+
+
+def default_queue_depth(provider: str) -> int:
+    """The queue depth an engine on ``provider`` takes where ``queue_depth`` is None."""
+    return _QUEUE_DEPTH.get(provider, _QUEUE_DEPTH_ELSEWHERE)
 
 
 _MR_MODES = {
@@ -113,11 +129,7 @@ class EfaEngine(NativeEngine):
             ways = (("cuda_copy_kernel", "cuda_copy_kernel_off"), ("cuda_imm_inbox", "cuda_inbox_off"))
             for key, off in ways:
                 details[key] = f"no: {info[off]}" if info[off] else "yes"
-        # 256 everywhere for now. On shm, 2 took an RL update from ~480 to ~280 ms (a target
-        # copies its whole queue holding the queue's lock, on which a sender's posts spin
-        # meanwhile), but one run of the efa suite at 2 crashed (SIGSEGV in an engine's close)
-        # and that is not understood yet (docs/backends/efa.md, "Queue depth")
-        depth = 256
+        depth = default_queue_depth(str(info["provider"]))
         details["queue_depth"] = depth if settings.queue_depth is None else settings.queue_depth
         for a in core.addresses():  # an address can be reused
             _efa.reopen_address(a)
