@@ -4,13 +4,15 @@
 # builds fabric-efa against the machine's libfabric, then runs the steps named. Their logs and
 # results go to $OUT/results.tgz (the device tool returns at most 8 files), remade after each
 # step; OUT defaults to ./gpu-out. Each step is bounded by STEP_TIMEOUT seconds (default 300),
-# so what finished comes back even when a later step hangs.
+# so what finished comes back even when a later step hangs. FABRIC_SYMBOLS=1 builds fabric-efa
+# unstripped (RelWithDebInfo), for perf-kv.
 #
 #   bash benchmarks/device/run.sh STEP...
 #
 # Steps: info, tests (tests/gpu), two-gpu-test (the test that needs two GPUs), bench
 # (gpu_bench.py), apps (gpu_apps.py), per-wr (gpu_per_wr.py), two (gpu_two.py), two-apps
 # (gpu_two_apps.py), two-apps-interleaved (its KvCache with FlashInfer's cache layout), moe (fabric bench moe --device cuda --ranks 2 against NCCL),
+# moe-phases (benchmarks/moe_phases.py: that bench's decode shape with a timer around each stage),
 # moe-profile (gpu_apps.py --only moe with rank 0 under cProfile), perf-kv (benchmarks/device/
 # perf_kv.sh: a flat CPU profile of both KvCache processes; needs .gpu/perf, prepare.sh --perf).
 set -uo pipefail
@@ -33,7 +35,9 @@ setup() {
   [ -n "$lib" ] || { echo "no libfabric.so.1 on this machine" >&2; return 1; }
   rm -rf /tmp/fabric-fi && mkdir -p /tmp/fabric-fi/lib /tmp/fabric-fi/include
   cp -r .gpu/fi/include/rdma /tmp/fabric-fi/include/ && ln -s "$lib" /tmp/fabric-fi/lib/libfabric.so
-  LIBFABRIC_HOME=/tmp/fabric-fi "$py" -m pip install -q --no-deps --no-build-isolation \
+  local symbols=()  # FABRIC_SYMBOLS=1: keep the symbols, so perf names the engine's functions
+  [ "${FABRIC_SYMBOLS:-0}" = 1 ] && symbols=(-Cinstall.strip=false -Ccmake.build-type=RelWithDebInfo)
+  LIBFABRIC_HOME=/tmp/fabric-fi "$py" -m pip install -q --no-deps --no-build-isolation "${symbols[@]}" \
     ./packages/fabric-efa || return 1
   "$py" -c 'import fabric_efa, fabric_core; print("fabric-efa built against", fabric_core.__file__)'
 }
@@ -69,6 +73,8 @@ for step in "$@"; do
            "$py" benchmarks/gpu_two_apps.py --only kv --out "$out/two-apps-interleaved.json" ;;
     moe) run_step moe "$py" -m fabric_core.cli bench moe --backend efa --device cuda --ranks 2 \
            --json "$out/moe-ep2-nccl.json" --plot "$out/moe-ep2-nccl.png" ;;
+    moe-phases) run_step moe-phases "$py" benchmarks/moe_phases.py --device cuda --steps 40 \
+           --json "$out/moe-phases.json" ;;
     moe-profile) run_step moe-profile "$py" benchmarks/gpu_apps.py --only moe --steps 30 \
            --out "$out/moe-apps.json" --profile "$out/moe-prof" ;;
     perf-kv) run_step perf-kv bash benchmarks/device/perf_kv.sh "$py" "$out" ;;

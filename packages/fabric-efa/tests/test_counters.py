@@ -51,6 +51,13 @@ _op = st.one_of(
     st.tuples(st.just("reserve"), st.sampled_from(IMMS), st.integers(0, 4)),
     st.tuples(st.just("detach"), st.sampled_from(IMMS)),
     st.tuples(st.just("refund"), st.sampled_from(IMMS), st.integers(1, 3)),
+    # wait_counts with no time to wait: all taken, or nothing (a timeout or a lost peer)
+    st.tuples(
+        st.just("wait_all"),
+        st.lists(
+            st.tuples(st.sampled_from(IMMS), st.integers(1, 4), st.sampled_from([None, 0, 1])), max_size=3
+        ),
+    ),
 )
 
 
@@ -103,6 +110,15 @@ def _run(table: CounterTable, ops: list[tuple[Any, ...]]) -> list[Any]:
             outcome = table.fail_mirror(op[1], EngineClosed("detached"), detach=True)
         elif kind == "refund":
             table._refund(op[1], op[2])
+        elif kind == "wait_all":
+            wants = [(imm, n, None if peer is None else PEERS[peer].raw) for imm, n, peer in op[1]]
+            try:
+                table.wait_all(wants, 0.0)
+                outcome = "ok"
+            except TransferTimeout as exc:
+                outcome = ("timeout", exc.expected, exc.received, exc.peer)
+            except PeerUnreachable as exc:
+                outcome = ("lost", exc.peer)
         elif kind == "fail_peer":
             peer = PEERS[op[1]].raw
             table.fail_peer(peer, PeerUnreachable("gone", peer=peer.hex()))
@@ -218,6 +234,55 @@ def test_ctrl_c_in_a_wait_raises_consumes_nothing_and_lets_the_next_waiter_run()
         interrupter.join(10.0)
         signal.signal(signal.SIGINT, previous)
     assert behind == ["ran"] and table.value(9) == 0
+
+
+def test_a_joint_wait_is_woken_by_other_threads_and_takes_its_counts_together() -> None:
+    table = _native()
+    table.add(7, 1)
+    _soon(lambda: table.add(0, 2), 0.05)
+    _soon(lambda: table.add(7, 1), 0.1)
+    started = time.monotonic()
+    table.wait_all([(7, 2, None), (0, 2, PEERS[0].raw)], 5.0)
+    assert time.monotonic() - started < 4.0
+    assert table.value(7) == 0 and table.value(0) == 0
+
+
+def test_a_peer_lost_under_a_joint_wait_fails_it_and_gives_back_what_it_took() -> None:
+    table = _native()
+    table.add(7, 3)
+    peer = PEERS[1]
+    _soon(lambda: table.fail_peer(peer.raw, PeerUnreachable("it died", peer=peer.raw.hex())))
+    started = time.monotonic()
+    with pytest.raises(PeerUnreachable, match="it died"):
+        table.wait_all([(7, 2, None), (0, 1, peer.raw)], math.inf)
+    assert time.monotonic() - started < 4.0
+    assert table.value(7) == 3  # the entry that was satisfied gave its counts back
+    behind: list[str] = []
+    table.counter(7, 5.0).expect(3, lambda: behind.append("ran"))
+    assert behind == ["ran"] and table.value(7) == 0
+
+
+def test_ctrl_c_in_a_joint_wait_raises_and_consumes_nothing() -> None:
+    table = _native()
+    table.add(9, 2)
+
+    def interrupt_once_queued() -> None:
+        deadline = time.monotonic() + 10.0
+        while not table.pending() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    interrupter = _soon(interrupt_once_queued, 0.05)
+    watchdog = _soon(lambda: table.add(3, 1), 15.0)  # a lost interrupt fails the test, no hang
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            table.wait_all([(9, 2, None), (3, 1, None)], math.inf)
+    finally:
+        watchdog.cancel()
+        interrupter.join(10.0)
+        signal.signal(signal.SIGINT, previous)
+    assert table.value(9) == 2 and table.value(3) == 0 and not table.pending()
 
 
 def test_a_cancelled_async_wait_consumes_nothing() -> None:

@@ -24,8 +24,11 @@ from fabric_core.models import MemoryRegion, MemoryRegionDescriptor
 from fabric_core.ops import (
     ImmRequest,
     PagedWriteRequest,
+    PeerGroup,
     Pinned,
     Request,
+    ScatterRequest,
+    ScatterTarget,
     Sharded,
     ShardPeers,
     WriteRequest,
@@ -47,6 +50,8 @@ class Setup:
     foreign: MemoryRegion  # another engine's region
     read_only: MemoryRegionDescriptor
     other_nics: MemoryRegionDescriptor  # a descriptor with another NIC count
+    with_dst: PeerGroup  # a peer group holding dst's engine
+    without_dst: PeerGroup  # one that does not
 
 
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda n: f"nics{n}")
@@ -67,6 +72,8 @@ def setup(request: pytest.FixtureRequest) -> Iterator[Setup]:
         foreign=b.register(buffers[2]),
         read_only=b.register(buffers[3], writable=False).descriptor,
         other_nics=c.register(np.zeros(64, np.uint8)).descriptor,
+        with_dst=a.peer_group([b.address, a.address]),
+        without_dst=a.peer_group([a.address]),
     )
     for e in engines:
         e.close()
@@ -99,7 +106,9 @@ def _compare(s: Setup, request: Request, kind: str, args: tuple[object, ...], ro
     np.testing.assert_array_equal(src - base, plan.src_off)
     np.testing.assert_array_equal(dst, plan.dst_off)
     np.testing.assert_array_equal(length, plan.length)
-    assert plan.imms_per_target == ((0,) if request.imm is None else (len(nic),))  # type: ignore[union-attr]
+    targets = len(plan.targets)
+    want = np.bincount(target, minlength=targets) if request.imm is not None else [0] * targets  # type: ignore[union-attr]
+    assert plan.imms_per_target == tuple(int(c) for c in want)
     return True
 
 
@@ -234,6 +243,40 @@ def test_imm_plans_agree(setup: Setup, data: st.DataObject, rotation: int) -> No
     _compare(setup, ImmRequest(*args), "imm", args, rotation)
 
 
+@SETTINGS
+@given(data=st.data(), rotation=st.integers(0, 7))
+def test_scatter_plans_agree(setup: Setup, data: st.DataObject, rotation: int) -> None:
+    count = data.draw(st.integers(1, 4))
+    targets = [
+        ScatterTarget(
+            _pick_dst(setup, data.draw(st.sampled_from([0] * 12 + [1, 2]))),
+            data.draw(st.integers(0, 30_000)),
+            data.draw(st.sampled_from([0, 100, 70_000])),
+            data.draw(st.sampled_from([0, 5, 40_000])),
+        )
+        for _ in range(count)
+    ]
+    if data.draw(st.integers(0, 3), label="spoil a target") == 0:
+        j = data.draw(st.integers(0, count - 1))
+        bad = data.draw(SPOILED["int"])
+        field = data.draw(st.sampled_from(["length", "src_offset", "dst_offset"]))
+        t = targets[j]
+        targets[j] = ScatterTarget(**{"dst": t.dst, "length": t.length, "src_offset": t.src_offset,
+                                      "dst_offset": t.dst_offset, field: bad})  # fmt: skip
+    routing = data.draw(st.one_of(routings(setup.nics), st.just(ShardPeers())))
+    f = _spoil(
+        data,
+        {"src": 0, "imm": data.draw(imms), "routing": routing},
+        {"src": "src", "imm": "imm", "routing": "routing"},
+    )
+    group = data.draw(st.sampled_from([None, None, setup.with_dst, setup.with_dst, setup.without_dst]))
+    shape = data.draw(st.sampled_from([tuple, list]))
+    members = None if group is None else group._members
+    args = (_pick_src(setup, f["src"]), shape(targets), f["imm"], f["routing"], members)
+    request = ScatterRequest(args[0], tuple(targets), f["imm"], f["routing"], group)
+    _compare(setup, request, "scatter", args, rotation)
+
+
 def test_plain_requests_take_the_fast_path(setup: Setup) -> None:
     """The common requests are planned in C++: the engine counts them as fast submissions."""
     e = setup.engine
@@ -243,12 +286,19 @@ def test_plain_requests_take_the_fast_path(setup: Setup) -> None:
         e.submit(WriteRequest(setup.src, 0, 100, setup.dst, 64)),
         e.submit_paged_write(setup.src, [0, 1], 4096, setup.dst, [3, 2], 4096, 4096, imm=1),
         e.submit_imm(setup.dst, 1),
+        e.submit_scatter(
+            setup.src, [ScatterTarget(setup.dst, 64), ScatterTarget(setup.dst, 8, 64, 64)], imm=1
+        ),
+        e.submit_scatter(
+            setup.src, [ScatterTarget(setup.dst, 30_000)], routing=Sharded(), group=setup.with_dst
+        ),
     ]
     for t in transfers:
         t.wait(10)
     assert e._core.fast_submitted() - before == len(transfers)
     assert transfers[0].imms_at_target == min(setup.nics, 1)  # 4 KiB: one shard
     assert transfers[2].imms_at_target == 2
+    assert transfers[4].imms_per_target == (1, 1) and transfers[5].imms_per_target == (0,)
 
 
 def test_rejected_requests_raise_the_python_errors(setup: Setup) -> None:
@@ -263,6 +313,10 @@ def test_rejected_requests_raise_the_python_errors(setup: Setup) -> None:
         e.submit_paged_write(setup.src, [0, 1], 16, setup.dst, [4, 4], 16, 16)
     with pytest.raises(ConfigError, match="must be one-dimensional"):
         e.submit_paged_write(setup.src, [[0]], 16, setup.dst, [4], 16, 16)
+    with pytest.raises(ConfigError, match="not a member of the peer group"):
+        e.submit_scatter(setup.src, [ScatterTarget(setup.dst, 8)], group=setup.without_dst)
+    with pytest.raises(ConfigError, match="at least one target"):
+        e.submit_scatter(setup.src, [])
 
 
 def test_deregistered_region_leaves_the_fast_path() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from .api import API_VERSION, Backend, EngineStats, ProbeResult, TransferEngine
-from .counters import Expectation, ImmCounter
+from .counters import CountWait, Expectation, ImmCounter
 from .device_counter import DeviceCounter
 from .errors import (
     BackendNotInstalled,
@@ -75,6 +75,7 @@ __all__ = [
     "Capabilities",
     "CapabilityError",
     "ConfigError",
+    "CountWait",
     "Device",
     "DeviceCounter",
     "DomainAddress",

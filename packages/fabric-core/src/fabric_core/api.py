@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, ClassVar
 
-from .counters import ImmCounter
+from .counters import CountWait, ImmCounter
 from .device_counter import DeviceCounter
 from .memory import RawMemory
 from .models import (
@@ -268,6 +268,18 @@ class TransferEngine(ABC):
     @abstractmethod
     def counter(self, imm: int) -> ImmCounter:
         """The counter of ``imm`` at this engine (counting since engine start)."""
+
+    @abstractmethod
+    def wait_counts(self, waits: Sequence[CountWait], timeout: float | None = None) -> None:
+        """Wait on several counters at once: block until each ``(imm, n)`` or ``(imm, n,
+        peer)`` of ``waits`` has ``n`` counts, then consume them all together (entries with
+        the same imm each take their own ``n``). On any error nothing is consumed: counts of
+        entries already satisfied are given back. An entry naming ``peer`` fails the whole
+        wait with ``PeerUnreachable`` as soon as that peer is found dead (at once if it
+        already is), whatever the other entries wait for; at the deadline ``TransferTimeout``
+        lists the entries still short (expected vs received). ``timeout`` as for
+        ``ImmCounter.wait``; an empty ``waits`` returns at once. Cheaper than one wait per
+        counter, and than ``expect`` callbacks: one blocking call, woken by the engine."""
 
     @abstractmethod
     def device_counter(self, imm: int, *, peer: DomainAddress | None = None) -> DeviceCounter:

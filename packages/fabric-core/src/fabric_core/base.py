@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from . import cuda, diagnostics
 from .api import EngineStats, TransferEngine
-from .counters import CounterTable, ImmCounter, check_imm, check_wait_timeout
+from .counters import CounterTable, CountWait, ImmCounter, check_count_waits, check_imm, check_wait_timeout
 from .device_counter import DeviceCounter
 from .errors import (
     CapabilityError,
@@ -327,6 +327,20 @@ class EngineBase(TransferEngine):
 
     def counter(self, imm: int) -> ImmCounter:
         return self._counters.counter(imm, self._timeout)
+
+    def wait_counts(self, waits: Sequence[CountWait], timeout: float | None = None) -> None:
+        self._check_open()
+        wants = check_count_waits(waits)
+        checked = check_wait_timeout(timeout)
+        if not wants:
+            return
+        limit = self._timeout if checked is None else checked
+        start, ok = time.monotonic(), False
+        try:
+            self._counters.wait_all(wants, limit)
+            ok = True
+        finally:
+            self._counters.waits.record(time.monotonic() - start, ok)
 
     def device_counter(self, imm: int, *, peer: DomainAddress | None = None) -> DeviceCounter:
         self._check_open()

@@ -20,7 +20,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +39,8 @@ __all__ = [
     "Expectation",
     "ImmCounter",
     "NativeCounterTable",
+    "CountWait",
+    "check_count_waits",
     "check_imm",
     "check_wait_timeout",
 ]
@@ -53,6 +55,30 @@ def check_imm(imm: object, what: str = "imm") -> int:
     if not 0 <= value < IMM_LIMIT:
         raise ConfigError(f"{what} {value} is out of range: imms are 32-bit, [0, 2**32)")
     return value
+
+
+CountWant = tuple[int, int, bytes | None]
+"""One entry of ``CounterTable.wait_all``: (imm, counts, the raw address of the peer it
+depends on or None)."""
+
+
+def _short(wants: Sequence[CountWant], seen: Sequence[int | None], limit: float) -> TransferTimeout:
+    """The timeout of a ``wait_all``: the entries still waiting, with the count each saw."""
+    expected: dict[int, int] = {}
+    received: dict[int, int] = {}
+    peer: bytes | None = None
+    for (imm, n, p), s in zip(wants, seen, strict=True):
+        if s is None:
+            continue
+        expected[imm] = expected.get(imm, 0) + n
+        received[imm] = s
+        peer = peer or p
+    return TransferTimeout(
+        f"counter waits timed out after {limit:g} s",
+        expected=expected,
+        received=received,
+        peer=peer.hex() if peer else None,
+    )
 
 
 @dataclass(eq=False)
@@ -218,6 +244,56 @@ class CounterTable:
     def _refund(self, imm: int, n: int) -> None:
         """Return consumed counts (a waiter was cancelled just as it fired)."""
         self.add(imm, n, received=False)
+
+    # --- several counters at once ------------------------------------------------------
+    def wait_all(self, wants: Sequence[CountWant], limit: float) -> None:
+        """Block until every ``(imm, n, peer)`` of ``wants`` has its counts, then consume
+        them all together (``TransferEngine.wait_counts``). On any error nothing is consumed:
+        the counts of entries that were satisfied are given back. ``PeerUnreachable`` at once
+        when a named peer is (or becomes) lost; ``TransferTimeout`` at ``limit`` seconds,
+        naming the entries still short."""
+        lock, done = threading.Lock(), threading.Event()
+        left = [len(wants)]
+        failure: list[BaseException] = []
+
+        def fire(exc: BaseException | None) -> None:
+            with lock:
+                if exc is not None:
+                    failure.append(exc)
+                else:
+                    left[0] -= 1
+                if exc is not None or left[0] == 0:
+                    done.set()
+
+        armed: list[tuple[int, _Waiter]] = []
+        try:
+            for imm, n, peer in wants:
+                waiter = _Waiter(n, fire, peer)
+                if self._arm(imm, waiter):
+                    fire(None)
+                armed.append((imm, waiter))
+        except BaseException:
+            self._give_back(armed, self._withdraw_all(armed))
+            raise
+        if done.wait(None if math.isinf(limit) else limit) and not failure:
+            return
+        seen = self._withdraw_all(armed)
+        if not failure and all(s is None for s in seen):
+            return  # every one fired as the deadline passed: taken after all
+        self._give_back(armed, seen)
+        if failure:
+            raise failure[0]
+        raise _short(wants, seen, limit)
+
+    def _withdraw_all(self, armed: Sequence[tuple[int, _Waiter]]) -> list[int | None]:
+        """Withdraw the armed waiters still queued: the count each saw (None: it had settled)."""
+        return [self._withdraw(imm, w) for imm, w in armed]
+
+    def _give_back(self, armed: Sequence[tuple[int, _Waiter]], seen: Sequence[int | None]) -> None:
+        """Return the counts of the armed waiters that fired."""
+        for (imm, w), s in zip(armed, seen, strict=True):
+            if s is None and w.settled and w.error is None:
+                self._refund(imm, w.n)
 
     # --- GPU-side waits ----------------------------------------------------------------
     # A mirror publishes one imm's arrivals to a 32-bit word of host memory mapped into the
@@ -386,6 +462,31 @@ def check_wait_timeout(timeout: object, what: str = "timeout") -> float | None:
             f"{what} must be None, 0, a positive number of seconds or math.inf, got {timeout!r}"
         )
     return float(timeout)
+
+
+CountWait = tuple[int, int] | tuple[int, int, DomainAddress | None]
+"""An entry of ``TransferEngine.wait_counts``: ``(imm, n)`` or ``(imm, n, peer)``."""
+
+
+def check_count_waits(waits: object) -> list[CountWant]:
+    """``wait_counts``' entries, checked: ``ConfigError`` naming the first bad one."""
+    if isinstance(waits, (str, bytes, bytearray)) or not isinstance(waits, (list, tuple)):
+        raise ConfigError(
+            f"waits must be a list of (imm, n) or (imm, n, peer) tuples, got {type(waits).__name__}"
+        )
+    out: list[CountWant] = []
+    for i, entry in enumerate(waits):
+        if not isinstance(entry, tuple) or len(entry) not in (2, 3):
+            raise ConfigError(f"waits[{i}] must be a tuple (imm, n) or (imm, n, peer), got {entry!r}")
+        imm = check_imm(entry[0], f"waits[{i}] imm")
+        n = entry[1]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError(f"waits[{i}]: the count to wait for must be a positive int, got {n!r}")
+        peer = entry[2] if len(entry) == 3 else None
+        if peer is not None and not isinstance(peer, DomainAddress):
+            raise ConfigError(f"waits[{i}]: peer must be a DomainAddress or None, got {type(peer).__name__}")
+        out.append((imm, n, peer.raw if peer is not None else None))
+    return out
 
 
 def _check_n(n: object) -> int:
@@ -607,6 +708,23 @@ class NativeCounterTable(CounterTable):
 
     def _refund(self, imm: int, n: int) -> None:
         self.fire_tokens(self._native.add(imm, n, False))
+
+    def wait_all(self, wants: Sequence[CountWant], limit: float) -> None:
+        # in C++ with the GIL released, woken by the worker (not through the callback thread)
+        code, index, seen, fired, interrupted = self._native.wait_all(
+            [(imm, n, peer or b"") for imm, n, peer in wants], limit
+        )
+        if fired:
+            self.fire_tokens(fired)
+        if interrupted is not None:
+            raise interrupted
+        if code == _OK:
+            return
+        if code == _TIMEOUT:
+            raise _short(wants, [None if v < 0 else v for v in seen], limit)
+        if code == _PEER_LOST:
+            raise self.lost_wait(wants[index][2] or b"")
+        raise self._failure or EngineClosed("engine closed while waiting on counters")
 
     def attach_mirror(self, imm: int, word: int, peer: bytes | None) -> None:
         code = self._native.attach_mirror(imm, word, peer or b"")

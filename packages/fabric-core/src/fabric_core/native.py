@@ -44,10 +44,13 @@ from .ops import (
     ImmRequest,
     Message,
     PagedWriteRequest,
+    PeerGroup,
     Pinned,
     Plan,
     Request,
     Routing,
+    ScatterRequest,
+    ScatterTarget,
     Sharded,
     ShardPeers,
     WriteRequest,
@@ -65,6 +68,7 @@ logger = logging.getLogger(__name__)
 
 _SHARDED = Sharded()
 _ONE_NIC = Sharded(1)
+_SHARD_PEERS = ShardPeers()
 _NO_IMMS = (0,)
 _HEADER = struct.Struct("<B")  # length of the sender's address, then the address, then the data
 HEADER_BYTES = 1 + 255
@@ -131,7 +135,13 @@ class NativeEngine(EngineBase):
         n = next(_completers)
         super().__init__(settings, capabilities, addresses, domains, f"fabric-{capabilities.backend}-cb-{n}")
         core.configure_fast(
-            capabilities.max_msg_size, Sharded, Pinned, ShardPeers, MemoryRegionDescriptor, guarded
+            capabilities.max_msg_size,
+            Sharded,
+            Pinned,
+            ShardPeers,
+            MemoryRegionDescriptor,
+            ScatterTarget,
+            guarded,
         )
         self._header = _HEADER.pack(len(self.address.raw)) + self.address.raw
         core.configure_liveness(settings.liveness_interval_s, settings.liveness_timeout_s, settings.timeout_s)
@@ -202,6 +212,39 @@ class NativeEngine(EngineBase):
         done = self._fast(t, self._core.fast_imm(t.id, dst, imm, routing, limit))
         return done if done is not None else super().submit(ImmRequest(dst, imm, routing), timeout=timeout)
 
+    def submit_scatter(
+        self,
+        src: MemoryRegion,
+        targets: Sequence[ScatterTarget],
+        *,
+        imm: int | None = None,
+        routing: Routing = _SHARD_PEERS,
+        group: PeerGroup | None = None,
+        timeout: float | None = None,
+    ) -> Transfer:
+        limit = -1.0 if timeout is None else self._deadline(timeout)
+        done = self._fast_scatter(src, targets, imm, routing, group, limit)
+        if done is not None:
+            return done
+        return super().submit(ScatterRequest(src, tuple(targets), imm, routing, group), timeout=timeout)
+
+    def _fast_scatter(
+        self, src: object, targets: object, imm: object, routing: object, group: object, limit: float
+    ) -> Transfer | None:
+        if group is None:
+            members: frozenset[bytes] | None = None
+        elif type(group) is PeerGroup and group.handle in self._made_groups:
+            members = group._members
+        else:
+            return None  # plan_request says what is wrong with it
+        t = self._new()
+        imms = self._core.fast_scatter(t.id, src, targets, imm, routing, members, limit)
+        if imms is None:
+            self._inflight.pop(t.id, None)
+            return None
+        t.imms_per_target = imms
+        return t
+
     def submit(self, request: Request, *, timeout: float | None = None) -> Transfer:
         limit = -1.0 if timeout is None else self._deadline(timeout)
         kind = type(request)
@@ -221,6 +264,9 @@ class NativeEngine(EngineBase):
             r = request
             t = self._new()
             done = self._fast(t, self._core.fast_imm(t.id, r.dst, r.imm, r.routing, limit))
+        elif kind is ScatterRequest:
+            r = request
+            done = self._fast_scatter(r.src, r.targets, r.imm, r.routing, r.group, limit)
         return done if done is not None else super().submit(request, timeout=timeout)
 
     def _fast_paged(self, r: PagedWriteRequest, limit: float) -> Transfer | None:
@@ -269,9 +315,14 @@ class NativeEngine(EngineBase):
     def _complete(self) -> None:
         while True:
             batch = self._core.wait_batch(0.05)
-            self._process(*batch)
-            if self._stop and not any(batch):
-                return
+            if not any(batch):
+                if self._stop:
+                    return
+                continue
+            try:
+                self._process(*batch)
+            finally:
+                self._core.batch_done()  # a thread draining may take completions again
 
     def _process(
         self,
@@ -333,7 +384,12 @@ class NativeEngine(EngineBase):
             left = end - time.monotonic()
             if left <= 0:
                 return
-            self._process(*self._core.drain(left))
+            batch = self._core.drain(left)
+            if not any(batch):
+                # time is up, or the completion thread took a batch (maybe with this
+                # transfer's completion): wait for the transfer's event from here
+                return
+            self._process(*batch)
 
     # --- hooks -----------------------------------------------------------------------
     def _new_counter_table(self) -> CounterTable:

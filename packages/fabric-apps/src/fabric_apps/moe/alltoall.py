@@ -32,10 +32,10 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
+import numpy as np
 import torch
 
 from fabric_core.api import TransferEngine
-from fabric_core.counters import Expectation
 from fabric_core.errors import (
     ConfigError,
     EngineClosed,
@@ -75,6 +75,7 @@ DEFAULT_TIMEOUT_S = 60.0
 # in the origin's combine buffer q writes its rows back (first row, rows)
 _COUNT_BYTES = 32
 _IDLE, _DISPATCHED, _RECEIVED, _COMBINING = "idle", "dispatched", "received", "combining"
+_SHARD_PEERS = ShardPeers()
 
 # layer ids in use per engine: two live instances on one engine must not share imms
 _claims: weakref.WeakKeyDictionary[TransferEngine, set[int]] = weakref.WeakKeyDictionary()
@@ -120,6 +121,7 @@ class MoeAllToAll:
                     "instances in flight together need distinct ids (their imms would collide)"
                 )
             held.add(layer)
+        self._owner = config.rank_table().numpy()  # the owning rank of each expert
         self._regions: list[MemoryRegion] = []
         try:
             self._allocate()
@@ -127,6 +129,7 @@ class MoeAllToAll:
             self._release()
             raise
         self._peers: tuple[MoeEndpoint, ...] = ()
+        self._count_targets: tuple[ScatterTarget, ...] = ()
         self._group: Any = None
         self._count_imms: tuple[int, ...] = ()
         self._imm_cache: dict[tuple[int, int, int], int] = {}
@@ -141,9 +144,10 @@ class MoeAllToAll:
         # per step: inputs kept for the combine, and what the combine sends and expects
         self._idx = torch.empty(0, config.top_k, dtype=torch.int64)
         self._weights = torch.empty(0, config.top_k, dtype=torch.float32)
-        self._pairs_from = torch.zeros(config.world_size, dtype=torch.int64)
+        self._pairs_from = [0] * config.world_size  # combine rows each rank sends back
         self._rows = 0
         self._row_order = torch.empty(0, dtype=torch.int64)  # rows packed by origin rank
+        self._pos = torch.empty(0, dtype=torch.int64)  # each (t, k) slot's row in recv_combine
         self._rows_to: list[int] = []  # rows per origin rank
         self._rows_at: list[int] = []  # first row of each origin's in its combine buffer
 
@@ -153,8 +157,10 @@ class MoeAllToAll:
         w, t, k, h = c.world_size, c.max_tokens, c.top_k, c.hidden
         rec, meta = c.record_bytes, c.meta_bytes
         dev = torch.device(c.device)
-        self._send_counts = torch.zeros(w, _COUNT_BYTES // 8, dtype=torch.int64, device=dev)
-        self._recv_counts = torch.zeros(w, _COUNT_BYTES // 8, dtype=torch.int64, device=dev)
+        # count records live in host memory whatever the device: the host builds and reads
+        # them, so a GPU layer copies none of them and waits for no stream before sending
+        self._send_counts = torch.zeros(w, _COUNT_BYTES // 8, dtype=torch.int64)
+        self._recv_counts = torch.zeros(w, _COUNT_BYTES // 8, dtype=torch.int64)
         # the large buffers are sized for the worst case and never read before written: left
         # uninitialised, the host pages nobody touches are never backed (EP64 at H=7168 holds
         # ~0.6 GB of buffers per rank, of which a decode step touches a few percent)
@@ -172,6 +178,7 @@ class MoeAllToAll:
         self._recv_meta = self._recv_tokens[:, :meta].view(torch.int32)
         self._recv_hidden = self._recv_tokens[:, meta : meta + c.token_bytes].view(c.dtype)
         reg = self._register
+        self._send_counts_np = self._send_counts.numpy()  # the records are written through this
         self._send_counts_mr = reg(self._send_counts, False)
         self._recv_counts_mr = reg(self._recv_counts, True)
         self._send_tokens_mr = reg(self._send_tokens, False)
@@ -254,6 +261,11 @@ class MoeAllToAll:
             raise ConfigError(f"endpoint {c.rank} is not this instance's")
         self._group = self.engine.peer_group([ep.address for ep in eps])
         self._peers = tuple(eps)
+        # where this rank's count record for each rank goes (the same every step)
+        self._count_targets = tuple(
+            ScatterTarget(p.counts, _COUNT_BYTES, q * _COUNT_BYTES, c.rank * _COUNT_BYTES)
+            for q, p in enumerate(eps)
+        )
         # what each source's count scatter gives this rank, by the contract's counting rule
         self._count_imms = tuple(
             self._expected(
@@ -367,6 +379,20 @@ class MoeAllToAll:
             x.wait(max(0.0, deadline - time.monotonic()))
         xfers.clear()
 
+    def _settle(self, xfers: list[Transfer], deadline: float) -> None:
+        """Wait for this step's own sends to end, before the host work that follows: their
+        completions are then handed to Python here, by this thread, rather than by the
+        engine's completion thread in the middle of that work (two threads taking turns at
+        the GIL cost a decode step hundreds of microseconds on an H200 host). A send that
+        failed raises here, naming its rank."""
+        for x in xfers:
+            if not x.done():
+                try:
+                    x.exception(max(0.0, deadline - time.monotonic()))
+                except TransferTimeout:
+                    break  # the deadline: what is still under way is the next drain's
+        self._raise_failed_sends(xfers)
+
     def _raise_failed_sends(self, xfers: list[Transfer]) -> None:
         """Raise the error of a send of this step that already failed, naming its rank."""
         for x in xfers:
@@ -398,63 +424,39 @@ class MoeAllToAll:
     def _wait_all(self, phase: Phase, wants: Sequence[tuple[int, int]], deadline: float, what: str) -> None:
         """Wait until each ``(source, n)`` of ``wants`` has counted ``n`` imms of ``phase``.
 
-        All sources are waited on at once (``expect`` naming each source as the peer), so
-        the first dead source fails the call at once, whatever its rank; at the deadline
-        nothing more is consumed and ``TransferTimeout`` lists each missing source's imm with
-        the counts it expected and received.
+        One joint wait (``TransferEngine.wait_counts``, each entry naming its source as the
+        peer), so the first dead source fails the call at once, whatever its rank; at the
+        deadline nothing is consumed and ``TransferTimeout`` lists each missing source's imm
+        with the counts it expected and received.
         """
-        wants = [(src, n) for src, n in wants if n > 0]
-        if not wants:
+        waits = [
+            (moe_imm(self.layer, self._step, phase, src), n, self._peers[src].address)
+            for src, n in wants
+            if n > 0
+        ]
+        if not waits:
             return
         where = f"moe layer {self.layer} step {self._step} rank {self.config.rank}"
-        lock, done = threading.Lock(), threading.Event()
-        left = [len(wants)]
-        failures: list[tuple[int, BaseException]] = []
-        armed: list[tuple[int, int, int, Expectation]] = []
-
-        def arm(src: int, n: int) -> None:
-            def ok() -> None:
-                with lock:
-                    left[0] -= 1
-                    if left[0] == 0:
-                        done.set()
-
-            def bad(exc: BaseException) -> None:
-                with lock:
-                    failures.append((src, exc))
-                done.set()
-
-            imm = moe_imm(self.layer, self._step, phase, src)
-            peer = self._peers[src].address
-            armed.append((src, imm, n, self.engine.counter(imm).expect(n, ok, on_error=bad, peer=peer)))
-
-        for src, n in wants:
-            try:
-                arm(src, n)
-            except PeerUnreachable as exc:  # a source already known dead
-                for _s, _i, _n, e in armed:
-                    e.cancel()
-                raise PeerUnreachable(f"{where}: rank {src} is gone ({what}): {exc}", peer=exc.peer) from exc
-        limit = None if math.isinf(deadline) else max(0.0, deadline - time.monotonic())
-        if not done.wait(limit):
-            missing = [(src, imm, n) for src, imm, n, e in armed if e.cancel()]
-            if missing and not failures:
-                ranks = ", ".join(str(src) for src, _i, _n in missing)
-                raise TransferTimeout(
-                    f"{where}: {what} from rank(s) {ranks} incomplete at the deadline",
-                    expected={imm: n for _s, imm, n in missing},
-                    received={imm: self.engine.counter(imm).value for _s, imm, _n in missing},
-                    peer=str(self._peers[missing[0][0]].address),
-                )
-        if failures:
-            for _s, _i, _n, e in armed:
-                e.cancel()
-            src, error = failures[0]
-            if isinstance(error, PeerUnreachable):
-                raise PeerUnreachable(
-                    f"{where}: rank {src} is gone ({what}): {error}", peer=error.peer
-                ) from error
-            raise error
+        limit = math.inf if math.isinf(deadline) else max(0.0, deadline - time.monotonic())
+        try:
+            self.engine.wait_counts(waits, limit)
+        except PeerUnreachable as exc:
+            ranks = [
+                r for r, p in enumerate(self._peers) if exc.peer is not None and str(p.address) == exc.peer
+            ]
+            who = f"rank {ranks[0]}" if ranks else "a peer"
+            raise PeerUnreachable(f"{where}: {who} is gone ({what}): {exc}", peer=exc.peer) from exc
+        except TransferTimeout as exc:
+            source = {
+                imm: src for src, (imm, _n, _p) in zip((s for s, n in wants if n > 0), waits, strict=True)
+            }
+            missing = ", ".join(str(source[imm]) for imm in sorted(exc.expected, key=source.__getitem__))
+            raise TransferTimeout(
+                f"{where}: {what} from rank(s) {missing} incomplete at the deadline",
+                expected=exc.expected,
+                received=exc.received,
+                peer=exc.peer,
+            ) from exc
 
     # --- dispatch -----------------------------------------------------------------
     def dispatch_send(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> None:
@@ -468,45 +470,52 @@ class MoeAllToAll:
             self._committed = True  # from here on, buffers change and writes go out
             self._drain(self._dispatch_xfers, deadline)
             t = int(x.shape[0])
-            mask, pair_rank = destinations(c, idx)
+            mask_t, pair_rank_t = destinations(c, idx)
+            # the host's index work in numpy (views of the CPU tensors): a few microseconds an
+            # operation where torch takes ten or more, and a decode step is mostly such operations
+            mask, pair_rank = mask_t.numpy(), pair_rank_t.numpy()
             per_rank = mask.sum(0)
-            self._send_meta[:t, 0] = torch.arange(t, dtype=torch.int32)
-            self._send_meta[:t, 1 : 1 + c.top_k] = idx.to(torch.int32)
-            self._send_hidden[:t].copy_(x)
-            pairs = torch.bincount(pair_rank[pair_rank >= 0], minlength=c.world_size)
-            step = torch.full_like(pairs, self._step)
-            # the count records, built here and copied once (on a GPU, one host-to-device copy)
-            self._send_counts.copy_(torch.stack([per_rank, step, torch.cumsum(pairs, 0) - pairs, pairs], 1))
+            pairs = np.bincount(pair_rank[pair_rank >= 0], minlength=c.world_size)
+            # the count records (host memory): sent before the tokens are packed, so the
+            # receivers learn what to expect while this rank's GPU still packs
+            counts = self._send_counts_np
+            counts[:, 0], counts[:, 1], counts[:, 2], counts[:, 3] = (
+                per_rank,
+                self._step,
+                np.cumsum(pairs) - pairs,
+                pairs,
+            )
             self._idx, self._weights = idx, weights
-            self._pairs_from = pairs
+            self._pairs_from = pairs.tolist()
             me, rec, eng = c.rank, c.record_bytes, self.engine
-            self._buffers_ready()
             xfers = self._dispatch_xfers
             xfers.append(
                 eng.submit_scatter(
                     self._send_counts_mr,
-                    [
-                        ScatterTarget(p.counts, _COUNT_BYTES, q * _COUNT_BYTES, me * _COUNT_BYTES)
-                        for q, p in enumerate(self._peers)
-                    ],
+                    self._count_targets,
                     imm=moe_imm(self.layer, self._step, Phase.COUNTS, me),
-                    routing=ShardPeers(),
+                    routing=_SHARD_PEERS,
                     group=self._group,
                 )
             )
-            # pack: destination q's tokens, ascending, at slots [q * T_max, q * T_max + n_q)
-            # (on a GPU, the packing kernel's job); then one write per destination
+            # records: int32 header (token, K expert ids) built on the host, then the hidden
+            # state; packed per destination: q's tokens, ascending, at slots [q * T_max,
+            # q * T_max + n_q) (on a GPU: one copy of the headers and of the indices, then
+            # three kernels), so each destination takes one write
+            meta = np.zeros((t, c.meta_bytes // 4), dtype=np.int32)
+            meta[:, 0] = np.arange(t, dtype=np.int32)
+            meta[:, 1 : 1 + c.top_k] = idx.numpy()
+            dev = self._send_tokens.device
+            self._send_meta[:t].copy_(torch.from_numpy(meta).to(dev))
+            self._send_hidden[:t].copy_(x)
             tmax = c.max_tokens
-            pairs = mask.t().nonzero()  # (q, token), q-major
-            if pairs.numel():
-                q_of, tok = pairs[:, 0], pairs[:, 1]
-                first = torch.cumsum(per_rank, 0) - per_rank
-                slot = q_of * tmax + torch.arange(q_of.numel(), dtype=torch.int64) - first[q_of]
-                dev = self._send_tokens.device
-                self._send_tokens.index_copy_(
-                    0, slot.to(dev), self._send_records.index_select(0, tok.to(dev))
-                )
-                self._buffers_ready()
+            q_of, tok = np.nonzero(mask.T)  # (q, token), q-major
+            if q_of.size:
+                first = np.cumsum(per_rank) - per_rank
+                slot = q_of * tmax + np.arange(q_of.size) - first[q_of]
+                where = torch.from_numpy(np.stack([slot, tok])).to(dev)
+                self._send_tokens.index_copy_(0, where[0], self._send_records.index_select(0, where[1]))
+            self._buffers_ready()
             imm = moe_imm(self.layer, self._step, Phase.DISPATCH, me)
             for q, p in enumerate(self._peers):
                 n = int(per_rank[q])
@@ -523,6 +532,9 @@ class MoeAllToAll:
                         routing=Sharded(),
                     )
                 )
+            # where the combine brings back each (t, k) slot: worked out now, while the tokens
+            # are on their way (after a wait the same work ran a third slower on an H200 host)
+            self._pos = combine_positions(c, idx)[0].reshape(-1).to(self._recv_combine.device)
             self._state = _DISPATCHED
 
     def dispatch_recv(self, timeout: float | None = None) -> DispatchResult:
@@ -535,53 +547,60 @@ class MoeAllToAll:
             self._raise_failed_sends(self._dispatch_xfers)
             w, tmax = c.world_size, c.max_tokens
             self._wait_all(Phase.COUNTS, list(enumerate(self._count_imms)), deadline, "token counts")
-            counts = self._recv_counts.to("cpu").clone()
-            n, steps = counts[:, 0], counts[:, 1]
-            for r in range(w):
-                if int(steps[r]) != self._step:
+            counts = self._recv_counts.clone()
+            records = counts.tolist()
+            for r, (n_r, step_r, _first, _rows) in enumerate(records):
+                if step_r != self._step:
                     raise MoeProtocolError(
-                        f"rank {r} sent the count of its step {int(steps[r])}, this rank is at step "
+                        f"rank {r} sent the count of its step {step_r}, this rank is at step "
                         f"{self._step}: every rank must run the same steps in the same order"
                     )
-                if not 0 <= int(n[r]) <= tmax:
-                    raise MoeProtocolError(f"rank {r} announced {int(n[r])} tokens (max_tokens {tmax})")
-            wants = [(r, self._payload_imms(Phase.DISPATCH, r, int(n[r]))) for r in range(w) if int(n[r])]
+                if not 0 <= n_r <= tmax:
+                    raise MoeProtocolError(f"rank {r} announced {n_r} tokens (max_tokens {tmax})")
+            n = counts[:, 0]
+            wants = [
+                (r, self._payload_imms(Phase.DISPATCH, r, rec[0])) for r, rec in enumerate(records) if rec[0]
+            ]
             self._wait_all(Phase.DISPATCH, wants, deadline, "tokens")
-            src_rank = torch.repeat_interleave(torch.arange(w, dtype=torch.int64), n)
-            first = torch.cumsum(n, 0) - n
-            rows = src_rank * tmax + (torch.arange(src_rank.numel(), dtype=torch.int64) - first[src_rank])
+            self._settle(self._dispatch_xfers, deadline)
+            n_np = n.numpy()
+            src_np = np.repeat(np.arange(w, dtype=np.int64), n_np)
+            rows_np = src_np * tmax + (np.arange(src_np.size) - (np.cumsum(n_np) - n_np)[src_np])
+            src_rank, rows = torch.from_numpy(src_np), torch.from_numpy(rows_np)
             meta = self._recv_meta.index_select(0, rows.to(self._recv_meta.device)).to("cpu", torch.int64)
             src_token, ids = meta[:, 0], meta[:, 1 : 1 + c.top_k]
             self._check_records(src_rank, src_token, ids)
             result = group_received(c, c.rank, src_rank, src_token, ids, self._recv_hidden, rows, n)
             # the combine's plan: the rows of each origin, packed, to the rows it announced
-            rows_to = torch.bincount(result.src_rank, minlength=w)
-            first_row, announced = counts[:, 2], counts[:, 3]
-            for r in range(w):
-                if int(announced[r]) != int(rows_to[r]):
+            rows_to = torch.bincount(result.src_rank, minlength=w).tolist()
+            for r, (_n, _step, first_row, announced) in enumerate(records):
+                if announced != rows_to[r]:
                     raise MoeProtocolError(
-                        f"rank {r} expects {int(announced[r])} combine rows from this rank, its tokens "
-                        f"make {int(rows_to[r])} here: the ranks disagree on placement"
+                        f"rank {r} expects {announced} combine rows from this rank, its tokens "
+                        f"make {rows_to[r]} here: the ranks disagree on placement"
                     )
-                if int(first_row[r]) < 0 or int(first_row[r]) + int(rows_to[r]) > tmax * c.top_k:
+                if first_row < 0 or first_row + rows_to[r] > tmax * c.top_k:
                     raise MoeProtocolError(f"rank {r} announced combine rows outside its buffer")
             self._rows = result.num_rows
-            self._row_order = torch.argsort(result.src_rank, stable=True)
-            self._rows_to, self._rows_at = rows_to.tolist(), first_row.tolist()
+            self._row_order = torch.from_numpy(np.argsort(result.src_rank.numpy(), kind="stable"))
+            self._rows_to, self._rows_at = rows_to, [rec[2] for rec in records]
             self._raise_failed_sends(self._dispatch_xfers)
             self._state = _RECEIVED
             return result
 
     def _check_records(self, src_rank: torch.Tensor, src_token: torch.Tensor, ids: torch.Tensor) -> None:
+        """What the records received claim, checked before anything is grouped by it (in
+        numpy: a few small array operations, each a fraction of a torch call's cost)."""
         c = self.config
         if not src_rank.numel():
             return
-        if int(src_token.min()) < 0 or int(src_token.max()) >= c.max_tokens:
+        token, expert = src_token.numpy(), ids.numpy()
+        if token.min() < 0 or token.max() >= c.max_tokens:
             raise MoeProtocolError("a received token names a source index outside [0, max_tokens)")
-        if int(ids.min()) < -1 or int(ids.max()) >= c.num_experts:
+        if expert.min() < -1 or expert.max() >= c.num_experts:
             raise MoeProtocolError("a received token names an expert outside [-1, num_experts)")
-        owner = c.rank_table()[ids.clamp(min=0)]
-        if not bool(((owner == c.rank) & (ids >= 0)).any(1).all()):
+        mine = (self._owner[np.maximum(expert, 0)] == c.rank) & (expert >= 0)
+        if not mine.any(axis=1).all():
             raise MoeProtocolError(
                 "a received token has no expert on this rank: the ranks disagree on placement"
             )
@@ -637,15 +656,13 @@ class MoeAllToAll:
             deadline = self._deadline(timeout)
             self._committed = True
             self._raise_failed_sends(self._combine_xfers)
-            # where each slot's row lands: worked out while the rows are on their way
-            pos = combine_positions(c, self._idx)[0].reshape(-1).to(self._recv_combine.device)
             wants = [
-                (q, self._payload_imms(Phase.COMBINE, q, int(self._pairs_from[q])))
-                for q in range(c.world_size)
+                (q, self._payload_imms(Phase.COMBINE, q, self._pairs_from[q])) for q in range(c.world_size)
             ]
             self._wait_all(Phase.COMBINE, wants, deadline, "expert outputs")
+            self._settle(self._combine_xfers, deadline)
             t = int(self._idx.shape[0])
-            y = self._recv_combine.index_select(0, pos)
+            y = self._recv_combine.index_select(0, self._pos)
             out = weighted_sum(y.view(t, c.top_k, c.hidden), self._weights, self._idx, c.dtype)
             self._raise_failed_sends(self._combine_xfers)
             self._step += 1

@@ -30,7 +30,7 @@ from ..registry import open_engine
 from ..transfer import Transfer
 from .remote import dump_error
 
-_BLOCKING = frozenset({"counter_wait", "recv", "close", "fence", "cancel"})
+_BLOCKING = frozenset({"counter_wait", "wait_counts", "recv", "close", "fence", "cancel"})
 
 
 class _Unpickler(pickle.Unpickler):
@@ -198,6 +198,9 @@ class _Worker:
 
     def m_counter_wait(self, eid: int, imm: int, n: int, timeout: float | None, peer: Any) -> None:
         self.engines[eid].counter(imm).wait(n, timeout, peer=peer)
+
+    def m_wait_counts(self, eid: int, waits: list[Any], timeout: float | None) -> None:
+        self.engines[eid].wait_counts(waits, timeout)
 
     def m_expect(self, eid: int, imm: int, n: int, xid: int, peer: Any) -> None:
         def fired() -> None:

@@ -459,6 +459,78 @@ class CounterConformance(_Base):
         assert "expected 5, received 2" in str(info.value)
         assert p.b.counter(14).value == 2
 
+    def test_wait_counts_takes_every_count_together(self, h: Harness) -> None:
+        p = _pair(h)
+        for imm, n in ((40, 2), (41, 3)):
+            for _ in range(n):
+                p.a.submit_imm(p.desc, imm)
+        p.b.wait_counts([(40, 2), (41, 3, p.a.address)], timeout=T)
+        assert p.b.counter(40).value == 0 and p.b.counter(41).value == 0
+        # one imm in two entries: each takes its own count
+        for _ in range(3):
+            p.a.submit_imm(p.desc, 40)
+        p.b.wait_counts([(40, 1), (40, 2, None)], timeout=T)
+        assert p.b.counter(40).value == 0
+        # blocks until imms sent after the call arrive
+        errors: list[BaseException] = []
+
+        def waiter() -> None:
+            try:
+                p.b.wait_counts([(42, 1), (43, 2)], timeout=T)
+            except BaseException as exc:
+                errors.append(exc)
+
+        th = threading.Thread(target=waiter)
+        th.start()
+        time.sleep(0.05)
+        assert th.is_alive()
+        for imm in (43, 42, 43):
+            p.a.submit_imm(p.desc, imm)
+        th.join(T + 1)
+        assert not th.is_alive() and not errors, errors
+        assert p.b.counter(42).value == 0 and p.b.counter(43).value == 0
+        p.b.wait_counts([], timeout=0)
+
+    def test_wait_counts_timeout_consumes_nothing(self, h: Harness) -> None:
+        p = _pair(h)
+        for imm in (44, 44, 45):
+            p.a.submit_imm(p.desc, imm)
+        assert _eventually(lambda: p.b.counter(44).value == 2 and p.b.counter(45).value == 1)
+        started = time.monotonic()
+        with pytest.raises(TransferTimeout) as info:
+            p.b.wait_counts([(44, 2), (45, 2, p.a.address)], timeout=0.1)
+        assert time.monotonic() - started < T / 2
+        assert info.value.expected == {45: 2} and info.value.received == {45: 1}
+        assert info.value.peer == p.a.address.raw.hex()
+        # the satisfied entry's counts are back: a later wait takes them
+        assert p.b.counter(44).value == 2 and p.b.counter(45).value == 1
+        p.a.submit_imm(p.desc, 45)
+        p.b.wait_counts([(44, 2), (45, 2)], timeout=T)
+        assert p.b.counter(44).value == 0 and p.b.counter(45).value == 0
+
+    def test_wait_counts_bad_input_changes_nothing(self, h: Harness) -> None:
+        p = _pair(h)
+        p.a.submit_imm(p.desc, 46)
+        assert _eventually(lambda: p.b.counter(46).value == 1)
+        bad: list[tuple[object, object]] = [
+            ([(46, 0)], None),
+            ([(46, -1)], None),
+            ([(46, True)], None),
+            ([(1 << 32, 1)], None),
+            ([(-1, 1)], None),
+            ([(46,)], None),
+            ([(46, 1, "peer")], None),
+            ([46], None),
+            ("46", None),
+            ([(46, 1)], -1.0),
+            ([(46, 1)], float("nan")),
+        ]
+        for waits, timeout in bad:
+            with pytest.raises(ConfigError):
+                p.b.wait_counts(waits, timeout=timeout)  # type: ignore[arg-type]
+        assert p.b.counter(46).value == 1
+        p.b.wait_counts([(46, 1)], timeout=T)
+
     def test_concurrent_waiters_each_get_their_counts(self, h: Harness) -> None:
         p = _pair(h)
         errors: list[BaseException] = []
@@ -845,6 +917,10 @@ class FaultConformance(_Base):
         with pytest.raises(PeerUnreachable):  # a wait naming a peer known dead fails at once
             a.counter(91).wait(1, timeout=T, peer=victim.address)
         assert time.monotonic() - started < T / 2
+        started = time.monotonic()
+        with pytest.raises(PeerUnreachable):  # so does a joint wait with an entry naming it
+            a.wait_counts([(92, 1), (91, 1, victim.address)], timeout=T)
+        assert time.monotonic() - started < T / 2
 
     def test_sender_death_times_out_target_wait_with_counts(self, h: Harness) -> None:
         _faults(h)
@@ -1077,25 +1153,30 @@ class FailureConformance(_Base):
         errors: list[BaseException] = []
         took: list[float] = []
 
-        def wait_for_a() -> None:
+        def wait_for_a(joint: bool) -> None:
             started = time.monotonic()
             try:
-                p.b.counter(6).wait(1, timeout=T, peer=p.a.address)
+                if joint:  # one entry names nobody: the one that names the peer fails it all
+                    p.b.wait_counts([(8, 1), (9, 1, p.a.address)], timeout=T)
+                else:
+                    p.b.counter(6).wait(1, timeout=T, peer=p.a.address)
             except BaseException as exc:
                 errors.append(exc)
             took.append(time.monotonic() - started)
 
-        th = threading.Thread(target=wait_for_a)
-        th.start()
+        threads = [threading.Thread(target=wait_for_a, args=(joint,)) for joint in (False, True)]
+        for th in threads:
+            th.start()
         time.sleep(0.05)
         h.stall_peer(p.a)
         try:
-            th.join(T + 1)
+            for th in threads:
+                th.join(T + 1)
         finally:
             h.resume_peer(p.a)
-        assert not th.is_alive()
-        assert errors and isinstance(errors[0], PeerUnreachable), errors
-        assert took[0] < DETECT + 0.05, took
+        assert not any(th.is_alive() for th in threads)
+        assert len(errors) == 2 and all(isinstance(e, PeerUnreachable) for e in errors), errors
+        assert max(took) < DETECT + 0.05, took
         # back: waits naming it go through again (the first may still see it lost, and asks
         # for a probe: retry as the contract says)
         t = p.a.submit_imm(p.desc, 7, timeout=T)

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from ..api import EngineStats, TransferEngine
-from ..counters import Expectation, ImmCounter, check_imm, check_wait_timeout
+from ..counters import CountWait, Expectation, ImmCounter, check_count_waits, check_imm, check_wait_timeout
 from ..device_counter import DeviceCounter
 from ..errors import (
     CapabilityError,
@@ -549,6 +549,11 @@ class RemoteEngine(TransferEngine):
         handle = next(self._pool.handles)
         resolved: tuple[DomainAddress, ...] = self._call("peer_group", handle, list(peers))
         return PeerGroup(handle, resolved, frozenset(p.raw for p in resolved))
+
+    def wait_counts(self, waits: Sequence[CountWait], timeout: float | None = None) -> None:
+        self._check_open()
+        check_count_waits(waits)  # the local engine's ConfigError, before any call
+        self._call("wait_counts", list(waits), timeout, limit=self._bound(timeout))
 
     def counter(self, imm: int) -> ImmCounter:
         return _RemoteCounter(self, check_imm(imm))

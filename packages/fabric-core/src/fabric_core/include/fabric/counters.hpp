@@ -160,14 +160,18 @@ class CounterTable {
     // (kCountQueued at the deadline). It spins first (yielding the CPU) for the table's spin
     // time: a worker about to count the imm wakes a spinning waiter in well under a
     // microsecond, a sleeping one in tens.
-    int block(const WaiterPtr& w, std::chrono::steady_clock::time_point deadline) {
+    int block(const WaiterPtr& w, std::chrono::steady_clock::time_point deadline) { return block_all(&w, 1, deadline); }
+
+    // block() for several waiters: until every one has fired (kCountOk), one has failed (its
+    // state: the first failed one in order), or ``deadline`` passes (kCountQueued).
+    int block_all(const WaiterPtr* ws, size_t n, std::chrono::steady_clock::time_point deadline) {
         using Clock = std::chrono::steady_clock;
         auto spin_end = std::min(deadline, Clock::now() + std::chrono::duration_cast<Clock::duration>(spin_));
-        int state = w->state.load(std::memory_order_acquire);
+        int state;
         // Spin, driving the engine's progress meanwhile (the imm this waiter needs is then
         // polled and counted by this very thread), yielding the CPU after a run of idle steps.
         unsigned idle = 0;
-        while ((state = w->state.load(std::memory_order_acquire)) == kCountQueued && Clock::now() < spin_end) {
+        while ((state = joint_state(ws, n)) == kCountQueued && Clock::now() < spin_end) {
             if (step()) {
                 idle = 0;
             } else if (++idle % kStepsBeforeYield == 0) {
@@ -177,9 +181,23 @@ class CounterTable {
         if (state != kCountQueued) return state;
         std::unique_lock<std::mutex> lock(mu_);
         blocked_++;
-        cv_.wait_until(lock, deadline, [&] { return w->state.load(std::memory_order_acquire) != kCountQueued; });
+        cv_.wait_until(lock, deadline, [&] { return joint_state(ws, n) != kCountQueued; });
         blocked_--;
-        return w->state.load(std::memory_order_acquire);
+        return joint_state(ws, n);
+    }
+
+    // What block_all() waits for: kCountOk once all fired, the first failure, else kCountQueued.
+    static int joint_state(const WaiterPtr* ws, size_t n) {
+        int out = kCountOk;
+        for (size_t i = 0; i < n; i++) {
+            int s = ws[i]->state.load(std::memory_order_acquire);
+            if (s == kCountQueued) {
+                out = kCountQueued;
+            } else if (s != kCountOk) {
+                return s;
+            }
+        }
+        return out;
     }
 
     // Takes a waiter that has not settled out of its queue: true, with the count it saw, if

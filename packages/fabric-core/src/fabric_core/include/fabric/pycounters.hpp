@@ -100,6 +100,89 @@ inline void bind_counter_table(py::module_& m) {
             },
             py::arg("imm"), py::arg("n"), py::arg("peer"), py::arg("timeout_s"))
         .def(
+            "wait_all",
+            // Waits for every (imm, n, peer) at once: consumed all together, or nothing. Returns
+            // (code, index, seen, fired, exc): kCountOk, every count taken; kCountPeerLost or
+            // kCountFailed, entry ``index`` failed; kCountTimeout at the deadline, with ``seen``
+            // the count of each entry still waiting then (-1: it had fired). On any outcome but
+            // kCountOk, the counts of entries that had fired are given back.
+            [](Table& t, const std::vector<std::tuple<uint32_t, uint64_t, py::bytes>>& wants,
+               double timeout_s) -> py::tuple {
+                using Clock = std::chrono::steady_clock;
+                constexpr auto kSlice = std::chrono::milliseconds(100);
+                size_t m = wants.size();
+                std::vector<Table::WaiterPtr> ws;
+                std::vector<uint32_t> imms;
+                ws.reserve(m);
+                imms.reserve(m);
+                std::vector<int64_t> seen(m, -1);
+                Tokens fired;
+                auto out = [&](int code, int64_t index, py::object exc = py::none()) {
+                    return py::make_tuple(code, index, py::cast(seen), py::cast(fired), std::move(exc));
+                };
+                // Leave: withdraw what still waits (noting the count it saw), then give back
+                // what fired (a withdrawal may fire a later entry of the same imm).
+                auto leave = [&]() {
+                    for (size_t i = 0; i < ws.size(); i++) {
+                        uint64_t count = 0;
+                        if (t.withdraw(imms[i], ws[i], count, fired)) seen[i] = static_cast<int64_t>(count);
+                    }
+                    for (size_t i = 0; i < ws.size(); i++)
+                        if (ws[i]->state.load(std::memory_order_acquire) == kCountOk)
+                            t.add_one(imms[i], ws[i]->n, fired, false);
+                };
+                auto first_failed = [&]() -> int64_t {
+                    for (size_t i = 0; i < ws.size(); i++) {
+                        int s = ws[i]->state.load(std::memory_order_acquire);
+                        if (s != kCountOk && s != kCountQueued && s != kCountTimeout) return static_cast<int64_t>(i);
+                    }
+                    return -1;
+                };
+                for (size_t i = 0; i < m; i++) {
+                    auto w = std::make_shared<Table::Waiter>();
+                    w->n = std::get<1>(wants[i]);
+                    w->peer = std::string(std::get<2>(wants[i]));
+                    imms.push_back(std::get<0>(wants[i]));
+                    ws.push_back(w);
+                    if (t.enqueue(imms[i], w) == kCountPeerLost) {
+                        leave();
+                        return out(kCountPeerLost, static_cast<int64_t>(i));
+                    }
+                }
+                auto deadline = std::isfinite(timeout_s)
+                                    ? Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                         std::chrono::duration<double>(std::max(timeout_s, 0.0)))
+                                    : Clock::time_point::max();
+                int code = kCountQueued;
+                while (true) {
+                    auto now = Clock::now();
+                    auto slice_end = deadline - now > kSlice ? now + kSlice : deadline;
+                    {
+                        py::gil_scoped_release release;
+                        code = t.block_all(ws.data(), ws.size(), slice_end);
+                    }
+                    if (code != kCountQueued || Clock::now() >= deadline) break;
+                    if (PyErr_CheckSignals() != 0) {  // as in wait(): leave, then raise
+                        py::error_already_set raised;
+                        leave();
+                        return out(kCountTimeout, -1, raised.value());
+                    }
+                }
+                if (code == kCountOk) return out(kCountOk, -1);
+                if (code != kCountQueued) {
+                    int64_t bad = first_failed();
+                    leave();
+                    return out(code, bad);
+                }
+                // the deadline: whatever fires while leaving is given back as well
+                if (Table::joint_state(ws.data(), ws.size()) == kCountOk) return out(kCountOk, -1);
+                leave();
+                int64_t bad = first_failed();
+                if (bad >= 0) return out(ws[static_cast<size_t>(bad)]->state.load(), bad);
+                return out(kCountTimeout, -1);
+            },
+            py::arg("wants"), py::arg("timeout_s"))
+        .def(
             "fail_peer",
             [](Table& t, py::bytes peer) {
                 Tokens failed;

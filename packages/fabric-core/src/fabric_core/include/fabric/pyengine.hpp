@@ -120,10 +120,11 @@ class PyEngine {
 
     // --- the fast path (fabric/pyfast.hpp) ------------------------------------------------
     void configure_fast(uint64_t max_msg, py::object sharded, py::object pinned, py::object shard_peers,
-                        py::object descriptor, bool guarded) {
+                        py::object descriptor, py::object scatter_target, bool guarded) {
         fast_ = std::make_unique<fast::FastPlanner>(
             engine_->num_nics(), max_msg,
-            fast::Classes{std::move(sharded), std::move(pinned), std::move(shard_peers), std::move(descriptor)},
+            fast::Classes{std::move(sharded), std::move(pinned), std::move(shard_peers), std::move(descriptor),
+                          std::move(scatter_target)},
             guarded);
     }
 
@@ -160,9 +161,25 @@ class PyEngine {
         return push(fast_->imm_only(id, dst.ptr(), imm.ptr(), routing.ptr(), rotation_), timeout_s);
     }
 
+    // The imms each target will count (a tuple), or None: take the Python path. ``members``:
+    // the peer group's member set, or None.
+    py::object fast_scatter(uint64_t id, py::handle src, py::handle targets, py::handle imm, py::handle routing,
+                            py::handle members, double timeout_s) {
+        if (closed_ || !fast_) return py::none();
+        std::vector<int64_t> per_target;
+        auto req = fast_->scatter(id, src.ptr(), targets.ptr(), imm.ptr(), routing.ptr(), members.ptr(), rotation_,
+                                  per_target);
+        if (!req) return py::none();
+        push(std::move(req), timeout_s);
+        py::tuple out(per_target.size());
+        for (size_t i = 0; i < per_target.size(); i++) out[i] = py::int_(per_target[i]);
+        return std::move(out);
+    }
+
     uint64_t fast_submitted() const { return fast_submitted_; }
 
-    // What the fast path would post for ``kind`` ("write", "paged", "imm") with ``args`` (the
+    // What the fast path would post for ``kind`` ("write", "paged", "imm", "scatter": src,
+    // targets, imm, routing, members) with ``args`` (the
     // fast_* arguments after the id) at ``rotation``, without posting: None where it defers
     // to plan_request, else (nic, target, src, dst_off, length) arrays, src as an address.
     py::object plan_only(const std::string& kind, py::tuple args, uint64_t rotation) {
@@ -176,6 +193,9 @@ class PyEngine {
                                rotation);
         } else if (kind == "imm" && args.size() == 3) {
             req = fast_->imm_only(0, at(0), at(1), at(2), rotation);
+        } else if (kind == "scatter" && args.size() == 5) {
+            std::vector<int64_t> per_target;
+            req = fast_->scatter(0, at(0), at(1), at(2), at(3), at(4), rotation, per_target);
         } else {
             throw std::invalid_argument("plan_only: unknown kind or wrong number of arguments");
         }
@@ -259,6 +279,11 @@ class PyEngine {
             b = engine_->wait_batch(timeout_s);
         }
         return to_python(b);
+    }
+
+    // The completion thread is done with the non-empty batch wait_batch() gave it.
+    void batch_done() {
+        if (engine_) engine_->batch_done();
     }
 
     // (ok, failed, fired, messages) like wait_batch, taken by a thread that waits on a transfer
@@ -557,8 +582,9 @@ void bind_engine(py::class_<Cls, Options...>& c) {
         .def("check_peer", &Cls::check_peer, py::arg("id"), py::arg("address"))
         .def("wait_batch", &Cls::wait_batch, py::arg("timeout_s"))
         .def("drain", &Cls::drain, py::arg("timeout_s"))
+        .def("batch_done", &Cls::batch_done)
         .def("configure_fast", &Cls::configure_fast, py::arg("max_msg"), py::arg("sharded"), py::arg("pinned"),
-             py::arg("shard_peers"), py::arg("descriptor"), py::arg("guarded"))
+             py::arg("shard_peers"), py::arg("descriptor"), py::arg("scatter_target"), py::arg("guarded"))
         .def("bind_region", &Cls::bind_region, py::arg("token"), py::arg("region_handle"), py::arg("region"))
         .def("fast_write", &Cls::fast_write, py::arg("id"), py::arg("src"), py::arg("src_offset"),
              py::arg("length"), py::arg("dst"), py::arg("dst_offset"), py::arg("imm"), py::arg("routing"),
@@ -569,6 +595,8 @@ void bind_engine(py::class_<Cls, Options...>& c) {
              py::arg("timeout_s") = -1.0)
         .def("fast_imm", &Cls::fast_imm, py::arg("id"), py::arg("dst"), py::arg("imm"), py::arg("routing"),
              py::arg("timeout_s") = -1.0)
+        .def("fast_scatter", &Cls::fast_scatter, py::arg("id"), py::arg("src"), py::arg("targets"), py::arg("imm"),
+             py::arg("routing"), py::arg("members"), py::arg("timeout_s") = -1.0)
         .def("fast_submitted", &Cls::fast_submitted)
         .def("plan_only", &Cls::plan_only, py::arg("kind"), py::arg("args"), py::arg("rotation"))
         .def("stats", &Cls::stats)

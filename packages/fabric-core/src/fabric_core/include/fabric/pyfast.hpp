@@ -37,7 +37,7 @@ namespace py = pybind11;
 using fabric::ClosedSet;  // (fabric/closed.hpp)
 
 struct Classes {
-    py::object sharded, pinned, shard_peers, descriptor;
+    py::object sharded, pinned, shard_peers, descriptor, scatter_target;
 };
 
 class FastPlanner {
@@ -127,6 +127,62 @@ class FastPlanner {
         return req;
     }
 
+    // ScatterRequest(src, targets, imm, routing, group): ``targets`` a tuple or list of
+    // ScatterTarget, ``members`` the peer group's member set (raw addresses; the caller has
+    // checked the group is this engine's) or None for no group. ``per_target`` gets the imms
+    // each target will count.
+    std::unique_ptr<Request> scatter(uint64_t id, PyObject* src, PyObject* targets, PyObject* imm, PyObject* routing,
+                                     PyObject* members, uint64_t rotation, std::vector<int64_t>& per_target) {
+        const Region* reg = region(src);
+        Route route;
+        int64_t value;
+        if (!reg || !imm_of(imm, true, value) || !route_of(routing, true, route)) return nullptr;
+        bool peers = !route.pin && reinterpret_cast<PyObject*>(Py_TYPE(routing)) == classes_.shard_peers.ptr();
+        if (members != Py_None && !PyAnySet_CheckExact(members)) return nullptr;
+        if (!PyTuple_CheckExact(targets) && !PyList_CheckExact(targets)) return nullptr;
+        py::object seq = py::reinterpret_borrow<py::object>(targets);  // a list may not shrink under us
+        Py_ssize_t count = PySequence_Fast_GET_SIZE(targets);
+        if (count == 0) return nullptr;
+        const Names& nm = names();
+        auto req = std::make_unique<Request>();
+        req->id = id;
+        req->has_imm = value >= 0;
+        req->imm = static_cast<uint32_t>(value >= 0 ? value : 0);
+        req->src_desc = reg->descs;
+        req->targets.reserve(static_cast<size_t>(count));
+        per_target.assign(static_cast<size_t>(count), 0);
+        for (Py_ssize_t j = 0; j < count; j++) {
+            PyObject* item = PySequence_Fast_GET_ITEM(targets, j);
+            if (reinterpret_cast<PyObject*>(Py_TYPE(item)) != classes_.scatter_target.ptr()) return nullptr;
+            py::object dst = attr(item, nm.dst), length = attr(item, nm.length), so_o = attr(item, nm.src_offset),
+                       do_o = attr(item, nm.dst_offset);
+            TargetEntry* t = dst ? target(dst.ptr()) : nullptr;
+            uint64_t len, so, dof;
+            if (!t || !u63(length.ptr(), len) || !u63(so_o.ptr(), so) || !u63(do_o.ptr(), dof)) return nullptr;
+            if (!plan::span_ok(so, len, reg->len) || !plan::span_ok(dof, len, t->length)) return nullptr;
+            if (members != Py_None) {
+                int in = PySet_Contains(members, t->peer_raw.ptr());
+                if (in != 1) {
+                    if (in < 0) PyErr_Clear();
+                    return nullptr;
+                }
+            }
+            req->targets.push_back(t->target);
+            size_t before = req->ops.size();
+            auto tj = static_cast<uint32_t>(j);
+            uint64_t first = rotation + static_cast<uint64_t>(j);
+            if (route.pin) {
+                plan::emit(req->ops, route.k, tj, reg->ptr + so, dof, len, max_msg_);
+            } else if (peers) {
+                plan::emit(req->ops, static_cast<uint32_t>(first % n_), tj, reg->ptr + so, dof, len, max_msg_);
+            } else {
+                plan::shards(req->ops, tj, reg->ptr + so, dof, len, route.k, first % n_, n_, max_msg_);
+            }
+            if (req->has_imm) per_target[static_cast<size_t>(j)] = static_cast<int64_t>(req->ops.size() - before);
+        }
+        return req;
+    }
+
     // ImmRequest(dst, imm, routing): one zero-length write carrying the imm.
     std::unique_ptr<Request> imm_only(uint64_t id, PyObject* dst, PyObject* imm, PyObject* routing,
                                       uint64_t rotation) {
@@ -150,6 +206,7 @@ class FastPlanner {
         py::object desc;  // keeps the descriptor alive, so its id is never reused while cached
         std::shared_ptr<Target> target;
         uint64_t length;
+        py::object peer_raw;  // NIC 0's raw address (bytes): the descriptor's ``peer``
         uint64_t epoch = 0;  // ClosedSet epoch ``gone`` was computed at
         bool gone = false;
     };
@@ -161,14 +218,15 @@ class FastPlanner {
     static constexpr size_t kMaxTargets = 4096;
 
     struct Names {
-        PyObject *handle, *nics, *nic, *writable, *length, *ptr, *address, *raw, *rkey;
+        PyObject *handle, *nics, *nic, *writable, *length, *ptr, *address, *raw, *rkey, *dst, *src_offset, *dst_offset;
     };
     static const Names& names() {
         static const Names n{PyUnicode_InternFromString("handle"),   PyUnicode_InternFromString("nics"),
                              PyUnicode_InternFromString("nic"),      PyUnicode_InternFromString("writable"),
                              PyUnicode_InternFromString("length"),   PyUnicode_InternFromString("ptr"),
                              PyUnicode_InternFromString("address"),  PyUnicode_InternFromString("raw"),
-                             PyUnicode_InternFromString("rkey")};
+                             PyUnicode_InternFromString("rkey"),     PyUnicode_InternFromString("dst"),
+                             PyUnicode_InternFromString("src_offset"), PyUnicode_InternFromString("dst_offset")};
         return n;
     }
 
@@ -277,6 +335,7 @@ class FastPlanner {
             return nullptr;
         auto target = std::make_shared<Target>();
         target->remote_base = base;
+        py::object peer_raw;
         for (size_t i = 0; i < n_; i++) {
             PyObject* key = PyTuple_GET_ITEM(nics.ptr(), static_cast<Py_ssize_t>(i));
             py::object address = attr(key, nm.address), rkey = attr(key, nm.rkey);
@@ -285,9 +344,11 @@ class FastPlanner {
             if (!raw || !PyBytes_CheckExact(raw.ptr()) || !u64(rkey.ptr(), k)) return nullptr;
             target->addresses.emplace_back(PyBytes_AS_STRING(raw.ptr()), static_cast<size_t>(PyBytes_GET_SIZE(raw.ptr())));
             target->rkeys.push_back(k);
+            if (i == 0) peer_raw = raw;
         }
         if (targets_.size() >= kMaxTargets) targets_.clear();
-        auto [it, _] = targets_.emplace(desc, TargetEntry{py::reinterpret_borrow<py::object>(desc), std::move(target), len});
+        auto [it, _] = targets_.emplace(
+            desc, TargetEntry{py::reinterpret_borrow<py::object>(desc), std::move(target), len, std::move(peer_raw)});
         return &it->second;
     }
 
