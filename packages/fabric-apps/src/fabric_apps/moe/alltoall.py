@@ -177,6 +177,19 @@ class MoeAllToAll:
         self._send_hidden = self._send_records[:, meta : meta + c.token_bytes].view(c.dtype)
         self._recv_meta = self._recv_tokens[:, :meta].view(torch.int32)
         self._recv_hidden = self._recv_tokens[:, meta : meta + c.token_bytes].view(c.dtype)
+        # pinned host staging for the index arrays the GPU needs: a copy from pageable memory
+        # waits for the stream (a sync per copy), one from pinned memory is queued behind it
+        self._staging: dict[str, torch.Tensor] = {}
+        if dev.type == "cuda":
+            pairs = max(1, c.max_pairs)
+            for name, n, dtype in (
+                ("meta", t * (meta // 4), torch.int32),
+                ("where", 2 * w * t, torch.int64),
+                ("pos", t * k, torch.int64),
+                ("rows", w * t, torch.int64),
+                ("order", pairs, torch.int64),
+            ):
+                self._staging[name] = torch.empty(n, dtype=dtype, pin_memory=True)
         reg = self._register
         self._send_counts_np = self._send_counts.numpy()  # the records are written through this
         self._send_counts_mr = reg(self._send_counts, False)
@@ -185,6 +198,17 @@ class MoeAllToAll:
         self._recv_tokens_mr = reg(self._recv_tokens, True)
         self._send_combine_mr = reg(self._send_combine, False)
         self._recv_combine_mr = reg(self._recv_combine, True)
+
+    def _to_device(self, array: np.ndarray[Any, Any], slot: str) -> torch.Tensor:
+        """``array`` on the layer's device: through its pinned staging slot on a GPU (one slot
+        per use in a step; every step syncs the stream before the slots are written again)."""
+        host = torch.from_numpy(np.ascontiguousarray(array))
+        staging = self._staging.get(slot)
+        if staging is None:
+            return host
+        view = staging[: host.numel()].view(host.shape)
+        view.copy_(host)
+        return view.to(self._send_tokens.device, non_blocking=True)
 
     def _buffers_ready(self) -> None:
         """GPU buffers: what the current stream queued into them must be done before the
@@ -505,15 +529,14 @@ class MoeAllToAll:
             meta = np.zeros((t, c.meta_bytes // 4), dtype=np.int32)
             meta[:, 0] = np.arange(t, dtype=np.int32)
             meta[:, 1 : 1 + c.top_k] = idx.numpy()
-            dev = self._send_tokens.device
-            self._send_meta[:t].copy_(torch.from_numpy(meta).to(dev))
+            self._send_meta[:t].copy_(self._to_device(meta, "meta"))
             self._send_hidden[:t].copy_(x)
             tmax = c.max_tokens
             q_of, tok = np.nonzero(mask.T)  # (q, token), q-major
             if q_of.size:
                 first = np.cumsum(per_rank) - per_rank
                 slot = q_of * tmax + np.arange(q_of.size) - first[q_of]
-                where = torch.from_numpy(np.stack([slot, tok])).to(dev)
+                where = self._to_device(np.stack([slot, tok]), "where")
                 self._send_tokens.index_copy_(0, where[0], self._send_records.index_select(0, where[1]))
             self._buffers_ready()
             imm = moe_imm(self.layer, self._step, Phase.DISPATCH, me)
@@ -534,7 +557,7 @@ class MoeAllToAll:
                 )
             # where the combine brings back each (t, k) slot: worked out now, while the tokens
             # are on their way (after a wait the same work ran a third slower on an H200 host)
-            self._pos = combine_positions(c, idx)[0].reshape(-1).to(self._recv_combine.device)
+            self._pos = self._to_device(combine_positions(c, idx)[0].reshape(-1).numpy(), "pos")
             self._state = _DISPATCHED
 
     def dispatch_recv(self, timeout: float | None = None) -> DispatchResult:
@@ -567,7 +590,7 @@ class MoeAllToAll:
             src_np = np.repeat(np.arange(w, dtype=np.int64), n_np)
             rows_np = src_np * tmax + (np.arange(src_np.size) - (np.cumsum(n_np) - n_np)[src_np])
             src_rank, rows = torch.from_numpy(src_np), torch.from_numpy(rows_np)
-            meta = self._recv_meta.index_select(0, rows.to(self._recv_meta.device)).to("cpu", torch.int64)
+            meta = self._recv_meta.index_select(0, self._to_device(rows_np, "rows")).to("cpu", torch.int64)
             src_token, ids = meta[:, 0], meta[:, 1 : 1 + c.top_k]
             self._check_records(src_rank, src_token, ids)
             result = group_received(c, c.rank, src_rank, src_token, ids, self._recv_hidden, rows, n)
@@ -625,7 +648,7 @@ class MoeAllToAll:
             if self._rows:
                 # pack by origin rank (inside each origin: expert id, then token, the order the
                 # origin's combine_positions expects); on a GPU, one gather kernel
-                order = self._row_order.to(y.device)
+                order = self._to_device(self._row_order.numpy(), "order")
                 packed = self._send_combine[: self._rows]
                 if y.data_ptr() == self._send_combine.data_ptr():  # filled in place: copy first
                     packed.copy_(y.index_select(0, order))
