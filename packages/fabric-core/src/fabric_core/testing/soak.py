@@ -266,12 +266,20 @@ def _round(
     # a scratch registration on the writer, rekeyed and dropped (registrations must not leak)
     scratch = writer.register(np.zeros(4096, dtype=np.uint8))
     writer.deregister(writer.rekey(scratch))
+    landed: list[tuple[Transfer, int, int, int]] = []
     for t, i, slot, length in checks:
         err = t.exception(T)
         if err is not None:
             report.problems.append(f"round {r}: imm {i} failed: {type(err).__name__}: {err}")
             continue
-        target.counter(i).wait(t.imms_at_target, timeout=T)
+        landed.append((t, i, slot, length))
+    # every other round, one joint wait for all of them (it takes each count exactly once too)
+    if r % 2:
+        target.wait_counts([(i, t.imms_at_target) for t, i, _s, _n in landed], timeout=T)
+    else:
+        for t, i, _s, _n in landed:
+            target.counter(i).wait(t.imms_at_target, timeout=T)
+    for _t, i, slot, length in landed:
         report.transfers += 1
         if slot >= 0:
             lo = slot * SLOT
