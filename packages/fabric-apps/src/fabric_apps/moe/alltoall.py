@@ -76,6 +76,7 @@ DEFAULT_TIMEOUT_S = 60.0
 _COUNT_BYTES = 32
 _IDLE, _DISPATCHED, _RECEIVED, _COMBINING = "idle", "dispatched", "received", "combining"
 _SHARD_PEERS = ShardPeers()
+_SETTLE_S = 0.005  # how long a receive half gives its own sends to end (a GPU copy: ~50 us)
 
 # layer ids in use per engine: two live instances on one engine must not share imms
 _claims: weakref.WeakKeyDictionary[TransferEngine, set[int]] = weakref.WeakKeyDictionary()
@@ -404,17 +405,23 @@ class MoeAllToAll:
         xfers.clear()
 
     def _settle(self, xfers: list[Transfer], deadline: float) -> None:
-        """Wait for this step's own sends to end, before the host work that follows: their
-        completions are then handed to Python here, by this thread, rather than by the
-        engine's completion thread in the middle of that work (two threads taking turns at
-        the GIL cost a decode step hundreds of microseconds on an H200 host). A send that
-        failed raises here, naming its rank."""
+        """Give this step's own sends a moment (``_SETTLE_S``) to end, before the host work
+        that follows: their completions are then handed to Python here, by this thread,
+        rather than by the engine's completion thread in the middle of that work (two threads
+        taking turns at the GIL cost a decode step hundreds of microseconds on an H200 host).
+        Sends still under way after it are left to the next drain, so a send stuck behind a
+        dead peer's (shm completes an endpoint's operations in order) delays nothing. A send
+        that failed raises here, naming its rank."""
+        until = min(deadline, time.monotonic() + _SETTLE_S)
         for x in xfers:
+            left = until - time.monotonic()
+            if left <= 0:
+                break
             if not x.done():
                 try:
-                    x.exception(max(0.0, deadline - time.monotonic()))
+                    x.exception(left)
                 except TransferTimeout:
-                    break  # the deadline: what is still under way is the next drain's
+                    break
         self._raise_failed_sends(xfers)
 
     def _raise_failed_sends(self, xfers: list[Transfer]) -> None:
