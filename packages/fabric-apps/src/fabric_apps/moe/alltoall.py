@@ -434,17 +434,18 @@ class MoeAllToAll:
                 continue
             if not isinstance(exc, TransportError):
                 raise exc
-            ranks = [
-                r for r, p in enumerate(self._peers) if exc.peer is not None and str(p.address) == exc.peer
-            ]
-            who = f"rank {ranks[0]}" if ranks else "a peer"
             where = f"moe layer {self.layer} step {self._step} rank {self.config.rank}"
             raise type(exc)(
-                f"{where}: a write to {who} failed: {exc}",
+                f"{where}: a write to {self._who(exc.peer)} failed: {exc}",
                 peer=exc.peer,
                 nic=exc.nic,
                 transfer_id=exc.transfer_id,
             ) from exc
+
+    def _who(self, peer: str | None) -> str:
+        """The rank whose address is ``peer`` (an error's hex address), as errors name it."""
+        ranks = [r for r, p in enumerate(self._peers) if peer is not None and str(p.address) == peer]
+        return f"rank {ranks[0]}" if ranks else "a peer"
 
     def _deadline(self, timeout: float | None) -> float:
         limit = self.timeout if timeout is None else timeout
@@ -460,11 +461,13 @@ class MoeAllToAll:
         deadline nothing is consumed and ``TransferTimeout`` lists each missing source's imm
         with the counts it expected and received.
         """
-        waits = [
-            (moe_imm(self.layer, self._step, phase, src), n, self._peers[src].address)
-            for src, n in wants
-            if n > 0
-        ]
+        source: dict[int, int] = {}  # imm -> the source rank it waits for
+        waits = []
+        for src, n in wants:
+            if n > 0:
+                imm = moe_imm(self.layer, self._step, phase, src)
+                source[imm] = src
+                waits.append((imm, n, self._peers[src].address))
         if not waits:
             return
         where = f"moe layer {self.layer} step {self._step} rank {self.config.rank}"
@@ -472,15 +475,10 @@ class MoeAllToAll:
         try:
             self.engine.wait_counts(waits, limit)
         except PeerUnreachable as exc:
-            ranks = [
-                r for r, p in enumerate(self._peers) if exc.peer is not None and str(p.address) == exc.peer
-            ]
-            who = f"rank {ranks[0]}" if ranks else "a peer"
-            raise PeerUnreachable(f"{where}: {who} is gone ({what}): {exc}", peer=exc.peer) from exc
+            raise PeerUnreachable(
+                f"{where}: {self._who(exc.peer)} is gone ({what}): {exc}", peer=exc.peer
+            ) from exc
         except TransferTimeout as exc:
-            source = {
-                imm: src for src, (imm, _n, _p) in zip((s for s, n in wants if n > 0), waits, strict=True)
-            }
             missing = ", ".join(str(source[imm]) for imm in sorted(exc.expected, key=source.__getitem__))
             raise TransferTimeout(
                 f"{where}: {what} from rank(s) {missing} incomplete at the deadline",
