@@ -64,6 +64,9 @@ PAGE_DIM = 1 if KV_SPLIT == "stacked" else 0
 SAME = bool(os.environ.get("GPU_TWO_APPS_SAME_GPU"))
 # the NCCL (or, on CPU, gloo) halves; GPU_TWO_APPS_FABRIC_ONLY=1 leaves them out (profiling)
 BASELINE = not SAME and not os.environ.get("GPU_TWO_APPS_FABRIC_ONLY")
+# GPU_TWO_APPS_WARM_FILE=path: the decoder creates it once two KvCache requests have landed
+# (benchmarks/device/perf_kv.sh starts sampling then, not during the set-up)
+WARM_FILE = os.environ.get("GPU_TWO_APPS_WARM_FILE", "")
 
 
 def _sync() -> None:
@@ -161,6 +164,7 @@ def _kv(rank: int, store: Any, engine: Any, reps: int) -> dict[str, Any]:
     want = _kv_caches(True)
     stage = [torch.empty_like(caches[0].narrow(PAGE_DIM, 0, KV_PAGES)) for _ in range(KV_LAYERS)]
     starts: list[float] = []
+    calls: list[float] = []  # the decoder's receive() call alone
 
     def check(pages: Any, what: str) -> None:
         for layer in range(KV_LAYERS):
@@ -172,9 +176,12 @@ def _kv(rank: int, store: Any, engine: Any, reps: int) -> dict[str, Any]:
     for rep in range(reps + 1):
         t0 = time.perf_counter()
         h = dec.receive(prefill, f"seq{rep}", KV_PAGES)
+        calls.append(time.perf_counter() - t0)
         h.wait(60)
         fab.append(time.perf_counter() - t0)
         starts.append(t0)
+        if rep == 1 and WARM_FILE:  # past the first (mapping, checked) requests: a profiler may start
+            open(WARM_FILE, "w").close()
         pages = torch.as_tensor(h.pages, dtype=torch.int64, device=DEV)
         if rep == 0:
             check(pages, "fabric")
@@ -207,6 +214,7 @@ def _kv(rank: int, store: Any, engine: Any, reps: int) -> dict[str, Any]:
     # where a request's time goes (one host, one monotonic clock): the request reaching the
     # prefill, its Python submitting every layer, the writes landing after that
     phases = {
+        "decoder_receive_call_ms": [c * 1e3 for c in calls][1:],
         "request_to_prefill_ms": [(s[0] - t0) * 1e3 for s, t0 in zip(stamps, starts, strict=True)][1:],
         "prefill_submit_ms": [(s[1] - s[0]) * 1e3 for s in stamps][1:],
         "prefill_submitted_to_done_ms": [(s[2] - s[1]) * 1e3 for s in stamps][1:],

@@ -7,21 +7,31 @@
 set -uo pipefail
 py=$1 out=$2
 perf() { LD_LIBRARY_PATH=$PWD/.gpu/perf/lib .gpu/perf/perf "$@"; }  # its libraries for it alone
-GPU_TWO_APPS_FABRIC_ONLY=1 "$py" benchmarks/gpu_two_apps.py --only kv --reps 200 --out "$out/perf-kv.json" &
+warm=/tmp/perf-kv-warm
+rm -f "$warm"
+GPU_TWO_APPS_FABRIC_ONLY=1 GPU_TWO_APPS_WARM_FILE=$warm "$py" benchmarks/gpu_two_apps.py --only kv --reps 400 \
+  --out "$out/perf-kv.json" &
 main=$!
-kids=""
-for _ in $(seq 1 600); do  # the two ranks, once both have an engine worker
-  kids=$(pgrep -P "$main" -d, -f "multiprocessing" || true)
-  n=0
-  for k in ${kids//,/ }; do ls /proc/$k/task/*/comm >/dev/null 2>&1 && grep -qs fabric-worker /proc/$k/task/*/comm && n=$((n + 1)); done
-  [ "$n" -ge 2 ] && break
-  sleep 0.1
-done
+for _ in $(seq 1 1200); do [ -e "$warm" ] && break; sleep 0.1; done  # two requests landed
+[ -e "$warm" ] || { echo "no request landed within 120 s"; kill "$main"; exit 1; }
+kids=$(pgrep -P "$main" -d, -f "multiprocessing" || true)
 echo "ranks: $kids"
-sleep 3  # past the set-up and the first request
-perf record -e cpu-clock -F 4999 -p "$kids" -o /tmp/perf-kv.data -- sleep 4 2>&1 | tail -2
+# PERF_KV_CALLERS=1: call graphs (DWARF unwinding, at a lower rate), and who calls the
+# workers' hottest symbols in perf-kv-callers.txt
+graph=()
+[ "${PERF_KV_CALLERS:-0}" = 1 ] && graph=(--call-graph dwarf,16384 -F 999) || graph=(-F 4999)
+perf record -e cpu-clock "${graph[@]}" -p "$kids" -o /tmp/perf-kv.data -- sleep 3 2>&1 | tail -2
 wait "$main"
 echo "main exit $?"
-perf report -i /tmp/perf-kv.data --stdio --sort pid,comm,dso,sym --percent-limit 0.3 2>/dev/null \
+perf report -i /tmp/perf-kv.data --stdio --no-children --sort pid,comm,dso,sym --percent-limit 0.3 -g none 2>/dev/null \
   | grep -v '^$' | head -150 > "$out/perf-kv.txt"
+perf report -i /tmp/perf-kv.data --stdio --sort pid,comm --percent-limit 0.5 2>/dev/null \
+  | grep -v '^$' | grep -v '^#' > "$out/perf-kv-threads.txt"
+cat "$out/perf-kv-threads.txt"
+if [ "${PERF_KV_CALLERS:-0}" = 1 ]; then
+  perf report -i /tmp/perf-kv.data --stdio --no-children --comm fabric-worker --sort pid,sym --percent-limit 0.7 \
+    -g caller,0.5,callee,function,percent 2>/dev/null | grep -v '^$' | cut -c1-220 | head -1500 >"$out/perf-kv-callers.txt"
+  perf report -i /tmp/perf-kv.data --stdio --children --comm fabric-worker --sort pid,sym --percent-limit 1.5 -g none \
+    2>/dev/null | grep -v '^$' | grep -v '^#' | cut -c1-220 | head -150 >"$out/perf-kv-inclusive.txt"
+fi
 head -70 "$out/perf-kv.txt"

@@ -11,7 +11,8 @@
 #
 # Steps: info, tests (tests/gpu), two-gpu-test (the test that needs two GPUs), bench
 # (gpu_bench.py), apps (gpu_apps.py), per-wr (gpu_per_wr.py), two (gpu_two.py), two-apps
-# (gpu_two_apps.py), two-apps-interleaved (its KvCache with FlashInfer's cache layout), moe (fabric bench moe --device cuda --ranks 2 against NCCL),
+# (gpu_two_apps.py), two-apps-kv (its KvCache alone), two-apps-kv-ahead4 (the same with
+# FABRIC_CUDA_LAUNCHES_AHEAD=4), two-apps-interleaved (its KvCache with FlashInfer's cache layout), moe (fabric bench moe --device cuda --ranks 2 against NCCL),
 # moe-phases (benchmarks/moe_phases.py: that bench's decode shape with a timer around each stage),
 # moe-profile (gpu_apps.py --only moe with rank 0 under cProfile), perf-kv (benchmarks/device/
 # perf_kv.sh: a flat CPU profile of both KvCache processes; needs .gpu/perf, prepare.sh --perf).
@@ -69,6 +70,9 @@ for step in "$@"; do
     per-wr) run_step per-wr "$py" benchmarks/gpu_per_wr.py ;;
     two) run_step two "$py" benchmarks/gpu_two.py --out "$out/two.json" ;;
     two-apps) run_step two-apps "$py" benchmarks/gpu_two_apps.py --out "$out/two-apps.json" ;;
+    two-apps-kv) run_step two-apps-kv "$py" benchmarks/gpu_two_apps.py --only kv --out "$out/two-apps-kv.json" ;;
+    two-apps-kv-ahead4) FABRIC_CUDA_LAUNCHES_AHEAD=4 run_step two-apps-kv-ahead4 "$py" benchmarks/gpu_two_apps.py \
+           --only kv --out "$out/two-apps-kv-ahead4.json" ;;
     two-apps-interleaved) GPU_TWO_APPS_KV_SPLIT=interleaved run_step two-apps-interleaved \
            "$py" benchmarks/gpu_two_apps.py --only kv --out "$out/two-apps-interleaved.json" ;;
     moe) run_step moe "$py" -m fabric_core.cli bench moe --backend efa --device cuda --ranks 2 \

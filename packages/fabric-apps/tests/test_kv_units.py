@@ -90,21 +90,28 @@ def test_segments_address_every_page_once(
 
 @pytest.mark.parametrize("src", ["stacked", "interleaved", "separate"])
 @pytest.mark.parametrize("dst", ["stacked", "interleaved", "separate"])
-def test_write_units_fuse_k_and_v_only_when_both_sides_interleave(src: str, dst: str) -> None:
+def test_write_units_fuse_k_and_v_only_when_both_sides_interleave_or_stack(src: str, dst: str) -> None:
     a = KvLayout(**SMALL, kv_split=src)  # type: ignore[arg-type]
     b = KvLayout(**{**SMALL, "num_blocks": 9}, kv_split=dst)  # type: ignore[arg-type]
     units = write_units(a, b)
     if src == dst == "interleaved":  # a page's K and V lie back to back on both sides: one write
         assert len(units) == 1 and units[0].names == ("k", "v") and units[0].length == 2 * 128
         assert units[0].src == a.segments[0] and units[0].dst == b.segments[0]
+        assert units[0].shifts == ((0, 0),)
+    elif src == dst == "stacked":  # V is K's pages shifted by each side's num_blocks: one request
+        assert len(units) == 1 and units[0].names == ("k", "v") and units[0].length == 128
+        assert units[0].src == a.segments[0] and units[0].dst == b.segments[0]
+        assert units[0].shifts == ((0, 0), (a.num_blocks, b.num_blocks))
     else:
         assert [u.names for u in units] == [("k",), ("v",)] and {u.length for u in units} == {128}
         assert [u.src for u in units] == list(a.segments) and [u.dst for u in units] == list(b.segments)
+        assert all(u.shifts == ((0, 0),) for u in units)
     # whatever the grouping, the units move every byte of every segment's page, once
-    for lay, side in ((a, "src"), (b, "dst")):
+    for lay, side, k in ((a, "src", 0), (b, "dst", 1)):
         spans = sorted(
-            (getattr(u, side).tensor, getattr(u, side).offset + p * getattr(u, side).stride + i)
+            (getattr(u, side).tensor, getattr(u, side).offset + (p + shift[k]) * getattr(u, side).stride + i)
             for u in units
+            for shift in u.shifts
             for p in range(lay.num_blocks)
             for i in range(u.length)
         )
@@ -118,10 +125,13 @@ def test_write_units_fuse_k_and_v_only_when_both_sides_interleave(src: str, dst:
 
 
 def test_write_units_keep_a_single_page_cache_apart_and_refuse_other_formats() -> None:
-    # stacked with one block: V's page starts where K's ends, but the stride would make two
-    # pages of a fused write overlap, so they stay two writes
+    # stacked with one block: V's page starts where K's ends; fusing it into K's write would
+    # make two pages of that write overlap, so it rides as K's page shifted by one instead
     one = KvLayout(**{**SMALL, "num_blocks": 1}, kv_split="stacked")
-    assert [u.names for u in write_units(one, one)] == [("k",), ("v",)]
+    (unit,) = write_units(one, one)
+    assert unit.names == ("k", "v") and unit.length == one.page_bytes and unit.shifts == ((0, 0), (1, 1))
+    src, dst = unit.pages(np.array([0]), np.array([0]))
+    assert src.tolist() == dst.tolist() == [0, 1]
     mla = KvLayout.mla(num_layers=2, num_blocks=4, block_size=4, latent_dim=16, dtype="float16")
     assert [(u.names, u.length) for u in write_units(mla, mla)] == [(("latent",), mla.page_bytes)]
     with pytest.raises(ConfigError, match="page formats differ"):

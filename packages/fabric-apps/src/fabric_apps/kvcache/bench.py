@@ -897,9 +897,9 @@ class KvBenchResult:
                 "block_size": lay.block_size,
                 "segments": [s.name for s in lay.segments],
                 "page_bytes": lay.page_bytes,
-                # the paged writes per layer and their bytes per page (K and V of an
-                # interleaved cache go as one)
-                "write_bytes": [u.length for u in write_units(lay, lay)],
+                # the writes per page and layer and their bytes (K and V of an interleaved
+                # cache go as one; of a stacked cache, as two in one paged request)
+                "write_bytes": [u.length for u in write_units(lay, lay) for _ in u.shifts],
                 "bytes_per_token": self.spec.request_bytes(1) // lay.block_size,
             },
             "host": self.host,
@@ -929,7 +929,7 @@ def _summarise(
         "tokens_per_request": spec.throughput_tokens,
         "gbytes_per_s": nbytes / span / 1e9,
         "pages_per_s": npages / span,
-        "writes_per_s": npages * lay.num_layers * len(write_units(lay, lay)) / span,
+        "writes_per_s": npages * lay.num_layers * sum(len(u.shifts) for u in write_units(lay, lay)) / span,
         "latency_ms_p50": _pct([(r["done"] - r["issued"]) * 1e3 for r in tput], 0.5),
         "failed": sum(1 for r in records if r["phase"] == "tput" and r["error"] is not None),
     }

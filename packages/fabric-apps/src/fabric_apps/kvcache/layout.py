@@ -81,24 +81,48 @@ class Segment:
 class WriteUnit:
     """What one paged write per layer moves: the segments ``names``, ``length`` bytes per page,
     read with the prefill's geometry ``src`` and written with the decoder's ``dst`` (each a
-    ``Segment`` whose page ``p`` starts at ``offset + p * stride``)."""
+    ``Segment`` whose page ``p`` starts at ``offset + p * stride``).
+
+    ``shifts`` are ``(src, dst)`` page-index shifts, one per page set the write carries: a
+    request's pages ``s -> d`` go as ``s + src -> d + dst`` for each shift, in one paged write.
+    ``((0, 0),)`` (the default) is the plain write of the segment's pages; a stacked cache
+    (``[2, num_blocks, ...]``) on both sides carries V as K's pages shifted by ``num_blocks``.
+    """
 
     names: tuple[str, ...]
     src: Segment
     dst: Segment
     length: int
+    shifts: tuple[tuple[int, int], ...] = ((0, 0),)
+
+    def pages(self, src_pages: np.ndarray, dst_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The page lists of this unit's paged write for a request's ``src_pages -> dst_pages``."""
+        if len(self.shifts) == 1 and self.shifts[0] == (0, 0):
+            return src_pages, dst_pages
+        return (
+            np.concatenate([src_pages + s for s, _ in self.shifts]),
+            np.concatenate([dst_pages + d for _, d in self.shifts]),
+        )
 
 
 def write_units(src: KvLayout, dst: KvLayout) -> tuple[WriteUnit, ...]:
     """The paged writes a prefill of layout ``src`` makes per layer to a decoder of layout
-    ``dst``: one per segment, except that consecutive segments lying back to back in one
-    tensor, at one stride, on **both** sides go as one write. Two interleaved caches
-    (``[num_blocks, 2, ...]``) move a page's K and V in one 64 KiB write for Llama-70B instead
-    of two of 32 KiB; any other pairing keeps one write per segment.
+    ``dst``: one per segment, except where two segments can share one request on **both**
+    sides:
 
-    Both sides compute this from the two layouts (the decoder learns the prefill's from its
-    ACK), so the decoder's expected imm count and the prefill's writes agree.
-    ``ConfigError`` if the page formats differ."""
+    - consecutive segments lying back to back in one tensor, at one stride, go as one write
+      per page: two interleaved caches (``[num_blocks, 2, ...]``) move a page's K and V in one
+      64 KiB write for Llama-70B instead of two of 32 KiB;
+    - a segment whose pages are another's shifted by a whole number of pages, past that
+      segment's last page, in the same tensor at the same stride, rides in the other's request
+      as a second page set (``WriteUnit.shifts``): two stacked caches (``[2, num_blocks, ...]``)
+      move K and V of a layer in one paged request of twice the pages, still one 32 KiB write
+      per page and segment. Half the requests: a Llama-70B request of 4,096 tokens is 80
+      submits instead of 160.
+
+    Any other pairing keeps one request per segment. Both sides compute this from the two
+    layouts (the decoder learns the prefill's from its ACK), so the decoder's expected imm
+    count and the prefill's writes agree. ``ConfigError`` if the page formats differ."""
     src.check_compatible(dst)
     page = src.page_bytes
     units: list[WriteUnit] = []
@@ -106,7 +130,7 @@ def write_units(src: KvLayout, dst: KvLayout) -> tuple[WriteUnit, ...]:
         if units:
             last = units[-1]
             grown = last.length + page
-            if all(
+            if len(last.shifts) == 1 and all(
                 new.tensor == old.tensor
                 and new.stride == old.stride
                 and new.offset == old.offset + last.length
@@ -115,8 +139,27 @@ def write_units(src: KvLayout, dst: KvLayout) -> tuple[WriteUnit, ...]:
             ):
                 units[-1] = WriteUnit((*last.names, a.name), last.src, last.dst, grown)
                 continue
+            s_shift, d_shift = (
+                _page_shift(last.src, a, src.num_blocks),
+                _page_shift(last.dst, b, dst.num_blocks),
+            )
+            if last.length == page and s_shift is not None and d_shift is not None:
+                units[-1] = WriteUnit(
+                    (*last.names, a.name), last.src, last.dst, page, (*last.shifts, (s_shift, d_shift))
+                )
+                continue
         units.append(WriteUnit((a.name,), a, b, page))
     return tuple(units)
+
+
+def _page_shift(base: Segment, seg: Segment, num_blocks: int) -> int | None:
+    """How many pages ``seg``'s page 0 lies past ``base``'s, where ``seg`` is ``base``'s pages
+    shifted (same tensor and stride, a whole number of strides, past ``base``'s last page, so
+    no page of one is a page of the other); None otherwise."""
+    if seg.tensor != base.tensor or seg.stride != base.stride or seg.offset <= base.offset:
+        return None
+    shift, rest = divmod(seg.offset - base.offset, base.stride)
+    return shift if rest == 0 and shift >= num_blocks else None
 
 
 def _is_torch(obj: object) -> bool:

@@ -346,8 +346,9 @@ class KvPrefiller:
             src = src[req.prefix_pages :]
             if int(src.min()) < 0 or int(src.max()) >= self.layout.num_blocks:
                 raise ConfigError(f"src_pages must lie in [0, {self.layout.num_blocks}) (this cache's pages)")
+            units = [(unit, *unit.pages(src, inc.dst)) for unit in inc.decoder.units]
             requests = [
-                [self._paged(layer, unit, inc, src) for unit in inc.decoder.units]
+                [self._paged(layer, unit, inc, sp, dp) for unit, sp, dp in units]
                 for layer in range(self.layout.num_layers)
             ]
             # The decoder armed its counter with its own computation: hold it to what the
@@ -370,14 +371,16 @@ class KvPrefiller:
         self._jobs[key] = job
         return job
 
-    def _paged(self, layer: int, unit: WriteUnit, inc: _Incoming, src: Pages) -> PagedWriteRequest:
+    def _paged(
+        self, layer: int, unit: WriteUnit, inc: _Incoming, src: Pages, dst: Pages
+    ) -> PagedWriteRequest:
         own, theirs = unit.src, unit.dst
         return PagedWriteRequest(
             self._cache.regions[layer][own.tensor],
             src,
             own.stride,
             inc.decoder.descriptors[layer][theirs.tensor],
-            inc.dst,
+            dst,
             theirs.stride,
             unit.length,
             own.offset,

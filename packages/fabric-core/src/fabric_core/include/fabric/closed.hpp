@@ -45,6 +45,41 @@ class ClosedSet {
     std::atomic<uint64_t> epoch_{1};
 };
 
+// NIC-0 addresses of the engines open in this process (an engine adds its own when it opens and
+// takes it out when it is destroyed). A writer counts its writes in InboundWrites only to
+// these: a closing engine waits for the writes to its own address, and only an engine of this
+// process can close it; counting every write cost two locked instructions per work request.
+class LocalEndpoints {
+  public:
+    void add(const std::string& a) {
+        std::lock_guard<std::mutex> lock(mu_);
+        count_[a]++;
+        epoch_.fetch_add(1, std::memory_order_seq_cst);
+    }
+    void remove(const std::string& a) {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = count_.find(a);
+        if (it == count_.end()) return;
+        if (--it->second == 0) count_.erase(it);
+        epoch_.fetch_add(1, std::memory_order_seq_cst);
+    }
+    bool contains(const std::string& a) const {
+        std::lock_guard<std::mutex> lock(mu_);
+        return count_.count(a) != 0;
+    }
+    uint64_t epoch() const { return epoch_.load(std::memory_order_acquire); }
+
+    static LocalEndpoints& instance() {
+        static LocalEndpoints set;
+        return set;
+    }
+
+  private:
+    mutable std::mutex mu_;
+    std::unordered_map<std::string, int> count_;
+    std::atomic<uint64_t> epoch_{1};
+};
+
 // Per endpoint address: writes that engines of this process posted to it and have not reaped
 // (seen complete or failed) yet. On shm a sender reaps a write through the target's memory
 // (libfabric 1.17 smr_progress_resp: the inject or SAR buffers it used live in the target's

@@ -38,6 +38,9 @@
 // Sink callbacks: on_write_done(ctx), on_send_done(ctx), on_recv(ctx, len),
 //                 on_imm(uint32_t imm, uint64_t src), on_error(ctx, status, message);
 //                 ``src`` is the sender's handle from insert_peer, or kNoSource.
+// The engine calls insert_peer, remove_peer, post_*, and poll under its progress lock, one
+// at a time (from the worker, a helping waiter or an inline submitter): a Domain needs no
+// lock of its own between them. Only memory registration comes from other threads.
 //
 // Failure (docs/concepts/failures.md). Every request has a deadline (its own, or the engine
 // default): past it, the request completes with kTimeout. A peer is lost when it leaves a
@@ -182,6 +185,10 @@ struct PeerState {
     // the process-wide counter of the peer's address they are part of.
     uint64_t posted_here = 0;
     std::shared_ptr<std::atomic<int64_t>> inbound;
+    // whether the address is an engine's of this process (LocalEndpoints), as of local_epoch:
+    // only writes to those are counted in ``inbound``
+    bool local = false;
+    uint64_t local_epoch = 0;
 };
 
 // One NIC's traffic (stats): bumped by whoever runs progress (one thread at a time, under
@@ -381,6 +388,7 @@ class Engine {
         poke_desc_.assign(nics_.size(), nullptr);
         poke_ready_.assign(nics_.size(), 0);
         self_address_ = nics_[0]->address();
+        LocalEndpoints::instance().add(self_address_);
         attrib_.resize(nics_.size());
         unattributed_.assign(nics_.size(), 0);
         for (size_t n = 1; n < nics_.size(); n++) attributes_ = attributes_ && nics_[n]->sources();
@@ -404,6 +412,7 @@ class Engine {
         }
         if (worker_.joinable()) worker_.join();
         nics_.clear();
+        LocalEndpoints::instance().remove(self_address_);
     }
 
     Engine(const Engine&) = delete;
@@ -1112,7 +1121,7 @@ class Engine {
         } else {
             op->state = OpCtx::kPosted;
             op->posts++;
-            posted_++;
+            NicTraffic::bump(posted_);
         }
     }
 
@@ -1175,11 +1184,15 @@ class Engine {
         // Announced to the process before the last look at whether the peer closed: a peer
         // closing in this process adds itself to ClosedSet, then waits for the count (its
         // drain_on_close), so either it sees this post coming or this post sees it closed.
+        // (Only writes to an engine of this process are counted: no other can wait for them.)
         PeerState& ps = *t.state;
-        if (!ps.inbound) ps.inbound = InboundWrites::instance().counter(ps.address);
-        ps.inbound->fetch_add(1, std::memory_order_seq_cst);
+        const bool counted = local(ps);
+        if (counted) {
+            if (!ps.inbound) ps.inbound = InboundWrites::instance().counter(ps.address);
+            ps.inbound->fetch_add(1, std::memory_order_seq_cst);
+        }
         if (closed(t)) {
-            ps.inbound->fetch_sub(1, std::memory_order_seq_cst);
+            if (counted) ps.inbound->fetch_sub(1, std::memory_order_seq_cst);
             return kGone;
         }
         int rc = nics_[n]->post_write(w, &op);
@@ -1188,9 +1201,9 @@ class Engine {
             t.state->inflight++;
             if (capped) t.state->queued++;
             op.queued = capped;
-            ps.posted_here++;
-            op.inbound = true;
-        } else {
+            if (counted) ps.posted_here++;
+            op.inbound = counted;
+        } else if (counted) {
             ps.inbound->fetch_sub(1, std::memory_order_seq_cst);
         }
         if (rc == 0 && path) {
@@ -1198,6 +1211,17 @@ class Engine {
             if (path->busy++ == 0) path->progress = now_;
         }
         return rc;
+    }
+
+    // Whether ``p`` is an engine of this process (LocalEndpoints); one atomic load unless an
+    // engine of this process opened or went since ``p`` was last looked at.
+    static bool local(PeerState& p) {
+        uint64_t epoch = LocalEndpoints::instance().epoch();
+        if (p.local_epoch != epoch) {
+            p.local = LocalEndpoints::instance().contains(p.address);
+            p.local_epoch = epoch;
+        }
+        return p.local;
     }
 
     // Whether ``t`` is an endpoint of this process that closed (since the write was submitted:
@@ -1293,8 +1317,8 @@ class Engine {
         }
         if (op.retry != nullptr && op.carrier && !op.request->abandoned) {
             // its bytes are in place: it carries a make-up imm once the whole batch's are
-            completed_.fetch_add(1, std::memory_order_relaxed);
-            bytes_.fetch_add(op.len, std::memory_order_relaxed);
+            NicTraffic::bump(completed_);
+            NicTraffic::bump(bytes_, op.len);
             RetryBatch* b = op.retry;
             op.retry = nullptr;
             b->carriers.push_back(&op);
@@ -1371,8 +1395,8 @@ class Engine {
 
     void finish_op(OpCtx& op) {
         if (op.kind == 0) {
-            completed_.fetch_add(1, std::memory_order_relaxed);
-            bytes_.fetch_add(op.mode == OpCtx::kImmOnly ? 0 : op.len, std::memory_order_relaxed);
+            NicTraffic::bump(completed_);
+            NicTraffic::bump(bytes_, op.mode == OpCtx::kImmOnly ? 0 : op.len);
             // a completed work request is a sign of life (a probe can sit behind megabytes of
             // data on a transport with one stream per peer, such as tcp)
             PeerState* p = op.request->targets[op.target]->state;
@@ -2503,6 +2527,8 @@ class Engine {
     std::atomic<int> drainers_{0};  // threads in drain(): the completion thread is not woken
     std::atomic<bool> stop_{false};
     std::mutex close_mu_;
+    // written under the progress lock only (NicTraffic::bump: no locked instruction per work
+    // request), read by stats() from any thread
     std::atomic<uint64_t> posted_{0}, completed_{0}, bytes_{0}, eagain_{0};
     std::atomic<uint64_t> probes_{0}, peers_lost_{0}, timeouts_{0}, retries_{0};
     std::atomic<uint64_t> reconciled_{0}, landed_unacked_{0}, makeups_{0}, unreconciled_{0};
