@@ -56,6 +56,7 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("8", "3 of 10 posted while held"),
         ("9", "0 posts to the closed endpoint, 0 writes reaped after it was gone"),
         ("10", "10 of 10 posted while held, then 2 of 3 counted ones"),
+        ("11", "3 counted to an engine of this process, 3 after 2 more to one of another, 0 once reported"),
     ],
 )
 def test_liveness_probes_answer_late_and_fail_only_the_gone(program: Path, case: str, says: str) -> None:
