@@ -16,8 +16,8 @@ for _ in $(seq 1 1200); do [ -e "$warm" ] && break; sleep 0.1; done  # two reque
 [ -e "$warm" ] || { echo "no request landed within 120 s"; kill "$main"; exit 1; }
 kids=$(pgrep -P "$main" -d, -f "multiprocessing" || true)
 echo "ranks: $kids"
-# PERF_KV_CALLERS=1: call graphs (DWARF unwinding, at a lower rate), and who calls the
-# workers' hottest symbols in perf-kv-callers.txt
+# PERF_KV_CALLERS=1: call graphs (DWARF unwinding, at a lower rate), and the workers' call
+# trees (per thread, callees under their callers) in perf-kv-callers.txt
 graph=()
 [ "${PERF_KV_CALLERS:-0}" = 1 ] && graph=(--call-graph dwarf,16384 -F 999) || graph=(-F 4999)
 perf record -e cpu-clock "${graph[@]}" -p "$kids" -o /tmp/perf-kv.data -- sleep 3 2>&1 | tail -2
@@ -25,13 +25,11 @@ wait "$main"
 echo "main exit $?"
 perf report -i /tmp/perf-kv.data --stdio --no-children --sort pid,comm,dso,sym --percent-limit 0.3 -g none 2>/dev/null \
   | grep -v '^$' | head -150 > "$out/perf-kv.txt"
-perf report -i /tmp/perf-kv.data --stdio --sort pid,comm --percent-limit 0.5 2>/dev/null \
+perf report -i /tmp/perf-kv.data --stdio --no-children --sort pid,comm --percent-limit 0.5 -g none 2>/dev/null \
   | grep -v '^$' | grep -v '^#' > "$out/perf-kv-threads.txt"
 cat "$out/perf-kv-threads.txt"
-if [ "${PERF_KV_CALLERS:-0}" = 1 ]; then
-  perf report -i /tmp/perf-kv.data --stdio --no-children --comm fabric-worker --sort pid,sym --percent-limit 0.7 \
-    -g caller,0.5,callee,function,percent 2>/dev/null | grep -v '^$' | cut -c1-220 | head -1500 >"$out/perf-kv-callers.txt"
-  perf report -i /tmp/perf-kv.data --stdio --children --comm fabric-worker --sort pid,sym --percent-limit 1.5 -g none \
-    2>/dev/null | grep -v '^$' | grep -v '^#' | cut -c1-220 | head -150 >"$out/perf-kv-inclusive.txt"
+if [ "${PERF_KV_CALLERS:-0}" = 1 ]; then  # the workers' call trees (DWARF reports are slow: bounded)
+  timeout 150 perf report -i /tmp/perf-kv.data --stdio --no-children --comm fabric-worker --sort pid,comm \
+    --percent-limit 1 2>/dev/null | grep -v '^$' | cut -c1-220 | head -1500 >"$out/perf-kv-callers.txt"
 fi
 head -70 "$out/perf-kv.txt"
