@@ -640,7 +640,8 @@ class CudaIpcDomain : public Inner {
         free_slots_.push_back(uint32_t(slot));
     }
 
-    // Where [raddr, raddr+len) of the peer's region ``rkey`` is in this process (the engine's progress lock held).
+    // Where [raddr, raddr+len) of the peer's region ``rkey`` is in this process (under the
+    // engine's progress lock).
     bool target_of(Peer& p, uint64_t rkey, uint64_t raddr, uint64_t len, uint64_t& dst, bool& direct,
                    int32_t& status, std::string& why) {
         if (!p.table && !map(p, status, why)) return false;
@@ -731,9 +732,9 @@ class CudaIpcDomain : public Inner {
 
     static bool process_gone(int pid) { return pid > 0 && kill(pid, 0) == -1 && errno == ESRCH; }
 
-    // Before a copy (the engine's progress lock held). The process check (a system call) runs at most every
-    // kAliveCheckNs per peer: a copy into a dead process's memory lands in memory this
-    // process's mapping keeps alive, and poll checks again before it reports the write or
+    // Before a copy (under the engine's progress lock). The process check (a system call) runs
+    // at most every kAliveCheckNs per peer: a copy into a dead process's memory lands in memory
+    // this process's mapping keeps alive, and poll checks again before it reports the write or
     // sends its imm, so a loss is never reported as a success.
     bool alive(Peer& p, int32_t& status, std::string& why) {
         if (p.table->closed.load(std::memory_order_acquire)) {
@@ -976,9 +977,9 @@ class CudaIpcDomain : public Inner {
         return n;
     }
 
-    // Launches the copy-list kernel over the pending copies (the progress lock held, under ctx_); a batch of
-    // fewer than kKernelMinBatch, one the segment ring has no room for, or one whose launch
-    // fails is copied a cuMemcpy per segment.
+    // Launches the copy-list kernel over the pending copies (under the engine's progress lock and
+    // ctx_); a batch of fewer than kKernelMinBatch, one the segment ring has no room for, or one
+    // whose launch fails is copied a cuMemcpy per segment.
     void flush_pending() {
         const cuda::Driver& d = cuda::Driver::get();
         int copy_error = 0;  // a failed segment of the copy being flushed (its segments are consecutive)
