@@ -753,6 +753,7 @@ class KvDecoder:
                 peer.error = ConfigError(f"prefill {peer.address} accepted a layout it cannot write: {exc}")
             else:
                 peer.num_nics, peer.max_msg_size, peer.units = ack.num_nics, ack.max_msg_size, units
+                peer.expected.clear()  # counts of the geometry acknowledged before, if any
                 peer.ready = True
         peer.event.set()
 
