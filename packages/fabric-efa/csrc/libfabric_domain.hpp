@@ -79,8 +79,7 @@ inline int getinfo(fi_info* hints, fi_info** out, const std::string& source = st
 // ECONNRESET for the writes under way to a killed process, but some came back with ENOENT,
 // and their transfers ended as a plain TransportError instead of PeerUnreachable
 // (test_a_dead_peer_costs_the_survivors_no_counts failed so in two of four efa-suite runs).
-inline int32_t status_of(int err, int prov_errno = 0) {
-    (void)prov_errno;
+inline int32_t status_of(int err) {
     if (err == FI_ECANCELED) return kPeerUnreachable;
     switch (err) {
         case FI_EHOSTUNREACH:
@@ -411,7 +410,7 @@ class LibfabricDomain {
                 char buf[256] = {0};
                 const char* detail = fi_cq_strerror(cq_, err.prov_errno, err.err_data, buf, sizeof(buf));
                 std::string message = std::string(fi_strerror(err.err)) + (detail ? std::string(" (") + detail + ")" : "");
-                sink.on_error(err.op_context, status_of(err.err, err.prov_errno), message);
+                sink.on_error(err.op_context, status_of(err.err), message);
             }
             return 1;
         }
