@@ -36,8 +36,40 @@ def _burst(size: int) -> int:
     return max(1, min(32, (256 * MiB) // size))
 
 
+def _physical_cores() -> list[list[int]]:
+    """The CPUs this process may use, grouped by physical core (SMT siblings together)."""
+    allowed = os.sched_getaffinity(0)
+    cores: dict[str, list[int]] = {}
+    for cpu in sorted(allowed):
+        path = f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list"
+        try:
+            with open(path) as f:
+                key = f.read().strip()
+        except OSError:
+            key = str(cpu)
+        cores.setdefault(key, []).append(cpu)
+    return sorted(cores.values())
+
+
+def _pin(rank: int) -> None:
+    """``GPU_TWO_PIN=N`` (diagnosis): rank r gets N physical cores of its own. Its engine's
+    worker runs alone on one CPU of the last (``FABRIC_WORKER_CPU``; that core's SMT siblings
+    stay idle), its other threads on the other N-1 cores and their siblings, so that no thread
+    migrates or shares a core with the worker."""
+    n = int(os.environ.get("GPU_TWO_PIN", "0"))
+    if n < 2 or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = _physical_cores()[rank * n : (rank + 1) * n]
+    if len(cores) < n:
+        return
+    os.sched_setaffinity(0, {cpu for core in cores[:-1] for cpu in core})
+    os.environ["FABRIC_WORKER_CPU"] = str(cores[-1][0])
+    sys.stderr.write(f"rank {rank}: threads on {cores[:-1]}, worker on CPU {cores[-1][0]} of {cores[-1]}\n")
+
+
 def _ranked(body: Callable[..., Any], rank: int, conn: Any, args: tuple[Any, ...]) -> None:
     try:
+        _pin(rank)
         conn.send(("ok", body(rank, *args)))
     except BaseException as exc:
         import traceback
