@@ -80,7 +80,9 @@ inline int getinfo(fi_info* hints, fi_info** out, const std::string& source = st
 // and their transfers ended as a plain TransportError instead of PeerUnreachable
 // (test_a_dead_peer_costs_the_survivors_no_counts failed so in two of four efa-suite runs).
 inline int32_t status_of(int err) {
-    if (err == FI_ECANCELED) return kPeerUnreachable;
+    // (the engine asks the target whether it refused the write first: tcp cancels the work
+    // on a connection that the target dropped over a refused key the same way)
+    if (err == FI_ECANCELED) return kConnectionDropped;
     switch (err) {
         case FI_EHOSTUNREACH:
         case FI_ECONNREFUSED:

@@ -31,7 +31,6 @@ class EfaHarness(Harness):
     """Engines in this process, one endpoint per emulated NIC."""
 
     max_nics = MAX_NICS
-    reports_remote_access_errors = False  # shm and tcp;ofi_rxm leave such writes incomplete
     supports_nic_faults = True  # injected into the endpoint (LibfabricDomain::inject_failure)
 
     def __init__(self, provider: str, chaos_seed: int | None) -> None:
@@ -43,6 +42,9 @@ class EfaHarness(Harness):
         # libfabric 1.17's shm wedges a writer's endpoint once a target refused one of its
         # writes (docs/concepts/security.md, "Known limits")
         self.survives_refused_writes = provider != "shm"
+        # tcp drops the connection on a refused key and the engine asks the target why
+        # (Engine::check_access); shm leaves such a write incomplete
+        self.reports_remote_access_errors = provider != "shm"
 
     def _open(self, nics: int, config: dict[str, Any]) -> TransferEngine:
         from fabric_efa.engine import EfaEngine
@@ -98,7 +100,7 @@ def fabric_harness(request: pytest.FixtureRequest, fabric_seed: int) -> Iterator
                 **LIVENESS,
             },
             max_nics=MAX_NICS,
-            reports_remote_access_errors=False,
+            reports_remote_access_errors=name != "shm",
             # shm and tcp are silent about a peer closed in another process: the liveness
             # probes tell (within LIVENESS's interval + timeout)
             detects_closed_peers=True,

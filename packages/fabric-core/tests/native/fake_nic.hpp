@@ -4,7 +4,8 @@
 // NIC of the process is in one registry (FakeFabric); a NIC that is gone makes posts to it fail
 // like an unreachable peer. FakeFabric::on_send, where set, sees every message sent (the fuzz
 // target records frames with it). FakeNic::refuse_sends makes its next sends answer -EAGAIN;
-// hold_write_done keeps landed writes unreported until release_writes(); posts_to_closed
+// hold_write_done keeps landed writes unreported until release_writes(); silent_refusals and
+// drop_writes fail writes as tcp does (kConnectionDropped, no reason given); posts_to_closed
 // counts posts to an address in fabric::ClosedSet, reaped_after_free the write completions
 // polled once the target's NIC is gone (on shm: both a use of freed memory).
 #pragma once
@@ -103,6 +104,11 @@ class FakeNic {
             accepted_to_.push_back(to);
         }
         bool landed = false, access = false;
+        if (drop_writes.load() > 0) {  // a connection that went (the target lives): not landed
+            drop_writes.fetch_sub(1);
+            push({Event::kError, ctx, 0, 0, 0, fabric::kConnectionDropped, "Operation canceled (connection reset)"});
+            return 0;
+        }
         {
             std::lock_guard<std::mutex> reg(fabric_.mu);
             auto it = fabric_.nics.find(to);
@@ -113,6 +119,8 @@ class FakeNic {
         }
         if (!landed) {
             push({Event::kError, ctx, 0, 0, 0, fabric::kPeerUnreachable, "peer gone"});
+        } else if (access && silent_refusals.load()) {  // as tcp: the target drops the connection
+            push({Event::kError, ctx, 0, 0, 0, fabric::kConnectionDropped, "Operation canceled"});
         } else if (access) {
             push({Event::kError, ctx, 0, 0, 0, fabric::kRemoteAccess, "out of the registered region"});
         } else {
@@ -296,6 +304,10 @@ class FakeNic {
 
   public:
     std::atomic<int> refuse_sends{0};  // the next N sends answer -EAGAIN
+    // a write outside the target's regions fails as kConnectionDropped, not kRemoteAccess (as
+    // on tcp, where the target drops the connection and the writer's work on it is cancelled)
+    std::atomic<bool> silent_refusals{false};
+    std::atomic<int> drop_writes{0};  // the next N writes fail as kConnectionDropped, not landed
     std::thread::id last_poster;        // the thread of the last post_write (under mu_)
     std::atomic<bool> hang_posts{false};  // while set, post_write does not return
     std::atomic<int> write_credits{-1};   // >= 0: post_write takes one, none left: -EAGAIN

@@ -62,6 +62,13 @@
 //    engines (as for a peer in another process), 2 more count nothing; once reported, the
 //    count is back to 0 and every imm landed. Before, every write to any peer paid two
 //    seq_cst read-modify-writes on the process-wide counter.
+// 12. Access checks. A write the transport fails without saying why (tcp: the target drops the
+//    connection over a refused key, and the writer's work on it is cancelled; here
+//    FakeNic::silent_refusals and drop_writes) is held while B asks A what it registered
+//    under the write's key. A key A never issued, a region A registered without remote
+//    write, a range outside the region: kRemoteAccess, saying which. A write A would have
+//    taken (its connection went): the failure it was. A whose answers cannot leave: the
+//    failure it was, after the check's 1 s. No byte of the refused writes lands.
 #include <fabric/counters.hpp>
 #include <fabric/engine.hpp>
 
@@ -455,6 +462,94 @@ void writes_counted_only_to_engines_of_this_process() {
     CHECK(after == 0);
 }
 
+void access_checks_say_why_a_write_failed() {
+    Pair p;
+    auto& nic = p.b->nic(0);
+    p.a->note_region(0, p.at->rkeys[0], p.at->remote_base, p.dst.size(), true);
+    std::vector<unsigned char> ro(64, 0);
+    auto ro_target = std::make_shared<fabric::Target>(*p.at);
+    ro_target->rkeys[0] = p.a->nic(0).register_remote(ro.data(), ro.size());
+    ro_target->remote_base = reinterpret_cast<uint64_t>(ro.data());
+    p.a->note_region(0, ro_target->rkeys[0], ro_target->remote_base, ro.size(), false);
+    auto forged = [&](uint64_t key, uint64_t base) {
+        auto t = std::make_shared<fabric::Target>(*p.at);
+        t->rkeys[0] = key;
+        t->remote_base = base;
+        return t;
+    };
+    // B's completion of its next request: (status, message, seconds it took)
+    auto write = [&](uint32_t imm, const std::shared_ptr<fabric::Target>& to) {
+        uint64_t id = p.next_id;
+        auto t0 = Clock::now();
+        p.write_imm(imm, to);
+        for (int i = 0; i < 1000; i++)
+            for (auto& c : p.b->wait_batch(0.01).done)
+                if (c.id == id)
+                    return std::make_tuple(c.status, c.message, std::chrono::duration<double>(Clock::now() - t0).count());
+        return std::make_tuple(int32_t(-1), std::string("no completion in 10 s"), 10.0);
+    };
+    auto says = [](const std::string& message, const char* what) { return message.find(what) != std::string::npos; };
+    // one request of two writes of 8 bytes, at dst_off 0 and at ``second``
+    auto two = [&](uint32_t imm, uint64_t second) {
+        uint64_t id = p.next_id++;
+        auto req = std::make_unique<fabric::Request>();
+        req->id = id;
+        req->has_imm = true;
+        req->imm = imm;
+        req->src_desc = std::make_shared<const std::vector<void*>>(1, nullptr);
+        req->targets.push_back(p.at);
+        req->ops.resize(2);
+        for (int k = 0; k < 2; k++) {
+            req->ops[k].nic = 0;
+            req->ops[k].target = 0;
+            req->ops[k].src = reinterpret_cast<uint64_t>(p.src.data());
+            req->ops[k].dst_off = k == 0 ? 0 : second;
+            req->ops[k].len = 8;
+        }
+        p.b->submit(std::move(req), true);
+        for (int i = 0; i < 1000; i++)
+            for (auto& c : p.b->wait_batch(0.01).done)
+                if (c.id == id) return std::make_pair(c.status, c.message);
+        return std::make_pair(int32_t(-1), std::string("no completion in 10 s"));
+    };
+    auto [ok, ok_why, ok_took] = write(1000, p.at);  // B knows A
+    CHECK(ok == fabric::kOk && p.counted(1000));
+    std::fill(p.dst.begin(), p.dst.end(), 0);
+    nic.silent_refusals = true;
+    auto [unknown, unknown_why, t1] = write(1001, forged(77, p.at->remote_base));
+    std::printf("access: unknown key -> %d after %.3f s: %s\n", unknown, t1, unknown_why.c_str());
+    CHECK(unknown == fabric::kRemoteAccess && says(unknown_why, "no region under that key"));
+    auto [outside, outside_why, t2] = write(1002, forged(p.at->rkeys[0], p.at->remote_base + 60));
+    std::printf("access: outside the region -> %d after %.3f s: %s\n", outside, t2, outside_why.c_str());
+    CHECK(outside == fabric::kRemoteAccess && says(outside_why, "is outside its region"));
+    nic.drop_writes = 1;  // (the fake knows no read-only regions: the connection goes instead)
+    auto [readonly, readonly_why, t3] = write(1003, ro_target);
+    std::printf("access: no remote write -> %d after %.3f s: %s\n", readonly, t3, readonly_why.c_str());
+    CHECK(readonly == fabric::kRemoteAccess && says(readonly_why, "without remote write"));
+    nic.drop_writes = 1;
+    auto [dropped, dropped_why, t4] = write(1004, p.at);
+    std::printf("access: would have been taken -> %d after %.3f s: %s\n", dropped, t4, dropped_why.c_str());
+    CHECK(dropped == fabric::kPeerUnreachable && says(dropped_why, "connection reset"));
+    // a write that straddles the region's end, cut in two: the part inside goes with the
+    // connection (dropped first), the part outside is refused; the request fails as refused
+    nic.drop_writes = 1;
+    auto [straddle, straddle_why] = two(1007, 60);
+    std::printf("access: straddling, in two -> %d: %s\n", straddle, straddle_why.c_str());
+    CHECK(straddle == fabric::kRemoteAccess && says(straddle_why, "is outside its region"));
+    CHECK(std::all_of(p.dst.begin(), p.dst.end(), [](unsigned char c) { return c == 0; }));
+    CHECK(std::all_of(ro.begin(), ro.end(), [](unsigned char c) { return c == 0; }));
+    CHECK(p.counters->value(1001) == 0 && p.counters->value(1002) == 0 && p.counters->value(1004) == 0);
+    p.a->nic(0).refuse_sends = 1 << 30;  // A's answers never leave
+    nic.drop_writes = 1;
+    auto [silent, silent_why, t5] = write(1005, forged(77, p.at->remote_base));
+    p.a->nic(0).refuse_sends = 0;
+    std::printf("access: no answer -> %d after %.3f s\n", silent, t5);
+    CHECK(silent == fabric::kPeerUnreachable && t5 >= 0.9 && t5 < 5.0);
+    nic.silent_refusals = false;
+    auto [after, after_why, t6] = write(1006, p.at);  // B still writes to A
+    CHECK(after == fabric::kOk && p.counted(1006));
+}
+
 void a_peer_closed_with_writes_waiting_for_it() {
     Pair p;
     auto& nic = p.b->nic(0);
@@ -517,7 +612,7 @@ void a_peer_closed_with_writes_waiting_for_it() {
 }  // namespace
 
 int main(int argc, char** argv) {
-    std::string only = argc > 1 ? argv[1] : "";  // "1" to "11": that case alone
+    std::string only = argc > 1 ? argv[1] : "";  // "1" to "12": that case alone
     if (only.empty() || only == "1") answers_refused_for_a_while();
     if (only.empty() || only == "2") a_probe_left_over_from_an_earlier_wait();
     if (only.empty() || only == "3") a_peer_that_is_gone();
@@ -529,6 +624,7 @@ int main(int argc, char** argv) {
     if (only.empty() || only == "9") a_peer_closed_with_writes_waiting_for_it();
     if (only.empty() || only == "10") writes_the_domain_leaves_out_of_the_queue_depth();
     if (only.empty() || only == "11") writes_counted_only_to_engines_of_this_process();
+    if (only.empty() || only == "12") access_checks_say_why_a_write_failed();
     std::printf("liveness: ok\n");
     return 0;
 }

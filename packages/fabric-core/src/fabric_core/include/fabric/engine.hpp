@@ -114,6 +114,11 @@ enum Status : int32_t {
     kClosed = 4,
     kTimeout = 5,
     kCancelled = 6,
+    // From a domain only, never handed to Python: the provider cancelled the work request
+    // because its connection went (libfabric's FI_ECANCELED). The engine takes it as
+    // kPeerUnreachable, but first asks the target whether it refused the write (tcp drops
+    // the connection over a refused key: Engine::check_access).
+    kConnectionDropped = 7,
 };
 
 using Clock = std::chrono::steady_clock;
@@ -421,6 +426,24 @@ class Engine {
     size_t num_nics() const { return nics_.size(); }
     Domain& nic(size_t i) { return *nics_.at(i); }
     CounterTable& counters() { return *counters_; }
+
+    // The regions this engine's registrations open to remote writes, per NIC key, addressed as
+    // writes to them address them (from the region's start where the NIC addresses remote
+    // memory virtually, else from 0). A writer whose write a transport failed without saying
+    // why (tcp drops the connection on a refused key) asks whether this engine would have
+    // taken it (check_access). Registration calls these, from any thread.
+    void note_region(uint32_t nic, uint64_t key, uint64_t ptr, uint64_t len, bool writable) {
+        if (nic >= nics_.size()) return;
+        uint64_t base = nics_[nic]->virt_addr() ? ptr : 0;
+        std::lock_guard<std::mutex> lock(access_mu_);
+        if (access_.size() < nics_.size()) access_.resize(nics_.size());
+        access_[nic][key] = AccessEntry{base, len, writable};
+    }
+
+    void forget_region(uint32_t nic, uint64_t key) {
+        std::lock_guard<std::mutex> lock(access_mu_);
+        if (nic < access_.size()) access_[nic].erase(key);
+    }
 
     // Whether a submit of ``ops`` work requests would now post them from the calling thread
     // (the worker naps). A post is a provider call, and on shm one can spin on the peer's
@@ -1273,6 +1296,8 @@ class Engine {
         }
         void on_error(void* ctx, int32_t status, const std::string& message) {
             if (ctx == nullptr) return;
+            bool dropped = status == kConnectionDropped;
+            if (dropped) status = kPeerUnreachable;
             auto* op = static_cast<OpCtx*>(ctx);
             if (op->kind == 2) return;  // a receive flushed at close
             if (op->kind == 3) {
@@ -1287,6 +1312,10 @@ class Engine {
                     if (op_imm(*op) && path->imm_busy > 0) path->imm_busy--;
                 }
                 if (self->path_lost(*op, status, message, true)) return;  // to be retried
+                if (status == kPeerUnreachable) self->transport_lost(*op);
+                if (dropped && self->check_access(*op, status, message)) return;  // held: the target is asked why
+                self->fail_op(*op, status, message);
+                return;
             }
             // (before fail_op, which may free the op's request)
             if (status == kPeerUnreachable) self->transport_lost(*op);
@@ -1510,6 +1539,10 @@ class Engine {
                         reset_path(p, k);
                         poke(p, k);
                     }
+                } else if (buf[0] == kFrameAccess) {
+                    send_or_queue(kFrameAccessAnswer, from, nonce, access_answer(extra, elen));
+                } else if (buf[0] == kFrameAccessAnswer) {
+                    got_access_answer(from, nonce, extra, elen);
                 } else if (buf[0] == kFrameQuery && elen >= 1) {
                     queries_.push_back(Query{from, nonce, uint8_t(extra[0])});
                 } else if (buf[0] == kFrameCounts && it != peer_state_.end()) {
@@ -1521,6 +1554,171 @@ class Engine {
             }
         }
         nics_[0]->post_recv(recv_buf(op.src), frame_, recv_desc_, &op);
+    }
+
+    // --- access checks -----------------------------------------------------------------
+    // A write the provider cancelled because its connection went (kConnectionDropped: tcp's
+    // target drops the connection when a key is refused, and the writer sees only its queued
+    // work cancelled, as it may for a peer that died) is held while the target is asked, on
+    // the control channel, what it has registered under the write's key on that NIC (the peer
+    // is suspected as before: a dead one fails its probe, and the write then fails as it did). The answer makes it a RemoteAccessError where the target would
+    // have refused it (no such key: never issued, or deregistered; no remote write; the range
+    // outside the region), else the failure it was. No answer within kAccessWait (a target
+    // gone, a control channel down), or the request ended meanwhile: the failure it was. One
+    // question per target, NIC and key is out at a time; the writes it covers wait on it.
+    // A question out, with the failed writes it holds.
+    struct AccessHeld {
+        OpCtx* op;
+        int32_t status;
+        std::string message;
+        uint64_t raddr;  // the write's remote address, as posted
+    };
+    struct AccessCheck {
+        std::string to;  // the target's NIC 0 address
+        uint32_t nic = 0;
+        uint64_t key = 0;
+        uint64_t nonce = 0;
+        Clock::time_point asked{}, sent{};  // sent: when last asked (epoch: not yet)
+        bool posted = false;                 // the last ask was taken by the provider
+        Clock::time_point lost_at{};         // a refused probe's verdict, held until then
+        std::string lost_why;
+        std::vector<AccessHeld> ops;
+    };
+    bool check_access(OpCtx& op, int32_t status, const std::string& message) {
+        Request& r = *op.request;
+        if (r.abandoned || op.target >= r.targets.size()) return false;
+        Target& t = *r.targets[op.target];
+        if (t.state == nullptr || t.state->lost || op.nic >= t.rkeys.size() || op.nic >= nics_.size()) return false;
+        uint64_t key = t.rkeys[op.nic];
+        uint64_t raddr = (nics_[op.nic]->virt_addr() ? t.remote_base : 0) + op.dst_off;
+        const std::string& to = t.state->address;
+        auto it = std::find_if(access_checks_.begin(), access_checks_.end(), [&](const AccessCheck& c) {
+            return c.to == to && c.nic == op.nic && c.key == key;
+        });
+        if (it == access_checks_.end()) {
+            AccessCheck c;
+            c.to = to;
+            c.nic = op.nic;
+            c.key = key;
+            c.nonce = ++access_nonce_;
+            c.asked = now_;
+            access_checks_.push_back(std::move(c));
+            it = std::prev(access_checks_.end());
+        }
+        it->ops.push_back(AccessHeld{&op, status, message, raddr});
+        return true;
+    }
+
+    void ask_access(AccessCheck& c) {
+        std::string extra(1 + sizeof(uint64_t), '\0');
+        extra[0] = static_cast<char>(c.nic);
+        std::memcpy(&extra[1], &c.key, sizeof(uint64_t));
+        c.sent = now_;
+        c.posted = send_frame(kFrameAccess, c.to, nullptr, nullptr, c.nonce, false, extra);
+    }
+
+    // A target's side: what it has registered under a key on a NIC, as an answer.
+    std::string access_answer(const char* extra, size_t len) {
+        std::string out(2 + 2 * sizeof(uint64_t), '\0');  // [known][writable][base][length]
+        if (len < 1 + sizeof(uint64_t)) return out;
+        uint32_t nic = uint8_t(extra[0]);
+        uint64_t key;
+        std::memcpy(&key, extra + 1, sizeof(key));
+        std::lock_guard<std::mutex> lock(access_mu_);
+        if (nic >= access_.size()) return out;
+        auto it = access_[nic].find(key);
+        if (it == access_[nic].end()) return out;
+        out[0] = 1;
+        out[1] = it->second.writable ? 1 : 0;
+        std::memcpy(&out[2], &it->second.base, sizeof(uint64_t));
+        std::memcpy(&out[2 + sizeof(uint64_t)], &it->second.len, sizeof(uint64_t));
+        return out;
+    }
+
+    // The target's answer: settle the writes held on the question.
+    void got_access_answer(const std::string& from, uint64_t nonce, const char* body, size_t len) {
+        if (len < 2 + 2 * sizeof(uint64_t)) return;  // malformed: the question times out
+        auto it = std::find_if(access_checks_.begin(), access_checks_.end(),
+                               [&](const AccessCheck& c) { return c.to == from && c.nonce == nonce; });
+        if (it == access_checks_.end()) return;  // answered already, or given up on
+        AccessCheck c = std::move(*it);
+        access_checks_.erase(it);
+        bool known = body[0] != 0, writable = body[1] != 0;
+        uint64_t base, rlen;
+        std::memcpy(&base, body + 2, sizeof(base));
+        std::memcpy(&rlen, body + 2 + sizeof(base), sizeof(rlen));
+        char key[24];
+        std::snprintf(key, sizeof(key), "%#llx", static_cast<unsigned long long>(c.key));
+        std::string where = " (key " + std::string(key) + " on its NIC " + std::to_string(c.nic) + ")";
+        // Refused writes settle first: a request with a refused work request fails as refused,
+        // though others of it (inside the region) were cancelled with the connection.
+        std::stable_partition(c.ops.begin(), c.ops.end(), [&](const AccessHeld& h) {
+            return !known || !writable || h.raddr < base || h.op->len > rlen || h.raddr - base > rlen - h.op->len;
+        });
+        for (auto& h : c.ops) {
+            std::string why;
+            if (h.op->request->abandoned) {
+            } else if (!known) {
+                why = "the target refused the write: it has no region under that key" + where +
+                      " (never issued, or deregistered since)";
+            } else if (!writable) {
+                why = "the target refused the write: its region is registered without remote write" + where;
+            } else if (h.raddr < base || h.op->len > rlen || h.raddr - base > rlen - h.op->len) {
+                why = "the target refused the write: " + span_text(h.raddr, h.op->len) + " is outside its region " +
+                      span_text(base, rlen) + where;
+            }
+            h.op->state = OpCtx::kPosted;
+            if (why.empty()) {
+                fail_op(*h.op, h.status, h.message);  // it would have taken it: the failure it was
+            } else {
+                fail_op(*h.op, kRemoteAccess, why);
+            }
+        }
+    }
+
+    static std::string span_text(uint64_t at, uint64_t len) {
+        char buf[64];
+        std::snprintf(buf, sizeof(buf), "[%#llx, +%llu)", static_cast<unsigned long long>(at),
+                      static_cast<unsigned long long>(len));
+        return buf;
+    }
+
+    // tick: questions asked again every kFenceRetry (a connection being rebuilt loses what was
+    // queued on it), given up on after kAccessWait, or once their target is lost or every
+    // write they hold belongs to an ended request.
+    void access_tick() {
+        for (size_t i = 0; i < access_checks_.size();) {
+            AccessCheck& c = access_checks_[i];
+            bool ended = std::all_of(c.ops.begin(), c.ops.end(),
+                                     [](const AccessHeld& h) { return h.op->request->abandoned; });
+            auto ps = peer_state_.find(c.to);
+            bool lost = ps != peer_state_.end() && ps->second.lost;
+            if (ended || lost || now_ - c.asked >= kAccessWait) {
+                AccessCheck gone = std::move(c);
+                access_checks_.erase(access_checks_.begin() + static_cast<std::ptrdiff_t>(i));
+                for (auto& h : gone.ops) {
+                    h.op->state = OpCtx::kPosted;
+                    fail_op(*h.op, h.status, h.message);
+                }
+                continue;
+            }
+            // A probe the transport refused while the question was out (suspect() probes the
+            // peer at once) is not taken for the peer's death at once: a target that refused a
+            // key drops the connection, and the first frames on the next may be refused too.
+            // Unanswered by then, the peer is lost as the probe said.
+            if (c.lost_at != Clock::time_point{} && now_ >= c.lost_at && ps != peer_state_.end()) {
+                std::string why = c.lost_why;
+                c.lost_at = Clock::time_point{};
+                peer_lost(ps->second, why);  // (its requests end: the next tick settles them)
+                i++;
+                continue;
+            }
+            // First asked kAccessSettle after the failure (the target drops its side of the
+            // connection meanwhile), then again every kAccessRetry until answered.
+            if (c.sent == Clock::time_point{} ? now_ - c.asked >= kAccessSettle : now_ - c.sent >= kAccessRetry)
+                ask_access(c);
+            i++;
+        }
     }
 
     // --- NIC loss -----------------------------------------------------------------------
@@ -2023,8 +2221,23 @@ class Engine {
         }
         // A ping the transport refuses says the peer is gone; any other failure leaves it to
         // the unanswered-probe deadline.
-        if (about != nullptr && status == kPeerUnreachable)
-            peer_lost(*about, "the transport refused a liveness probe: " + message);
+        if (about != nullptr && status == kPeerUnreachable) {
+            std::string why = "the transport refused a liveness probe: " + message;
+            // A write to it is held on an access check (check_access): the refusal may be the
+            // connection the target dropped over a refused key. The check's answer, if it comes
+            // within kAccessGrace, says the peer lives.
+            auto held = std::find_if(access_checks_.begin(), access_checks_.end(),
+                                     [&](const AccessCheck& c) { return c.to == about->address; });
+            if (held != access_checks_.end()) {
+                evict(*about);
+                if (held->lost_at == Clock::time_point{}) {
+                    held->lost_at = now_ + kAccessGrace;
+                    held->lost_why = why;
+                }
+                return;
+            }
+            peer_lost(*about, why);
+        }
     }
 
     // A work request failed with kPeerUnreachable: the peer it was for becomes suspect.
@@ -2151,6 +2364,7 @@ class Engine {
         }
         if (!outbox_.empty()) flush_outbox();
         if (nics_.size() > 1) nic_loss_tick();
+        if (!access_checks_.empty()) access_tick();
         // fence() probes: sent, and sent again every kFenceRetry until answered (a connection
         // the transport tore down loses what was queued on it: the probe is then retried on a
         // fresh one, its state reset by the failure).
@@ -2331,6 +2545,7 @@ class Engine {
         }
         for (auto& q : pending_) q.clear();
         for (auto& park : parked_) park.clear();
+        access_checks_.clear();  // (their requests fail below)
         for (auto& [id, r] : live_) {
             if (!r->abandoned) ready_.push_back(Completion{id, kClosed, "engine closed with this transfer in flight"});
             r->abandoned = true;
@@ -2375,7 +2590,8 @@ class Engine {
     char* recv_buf(size_t i) { return recv_arena_.data() + i * frame_; }
     char* send_slot(size_t i) { return send_arena_.data() + i * frame_; }
     static constexpr char kFrameUser = 0, kFramePing = 1, kFramePong = 2, kFrameHello = 3, kFrameHelloAck = 4,
-                          kFrameQuery = 5, kFrameCounts = 6, kFramePathReset = 7, kFramePoke = 8;
+                          kFrameQuery = 5, kFrameCounts = 6, kFramePathReset = 7, kFramePoke = 8,
+                          kFrameAccess = 9, kFrameAccessAnswer = 10;
 
     static constexpr int kRerouted = 1;  // post(): the op moved to another NIC's queue
     static constexpr int kCapped = 2;    // post(): its peer has the queue depth's worth posted
@@ -2487,6 +2703,19 @@ class Engine {
         uint8_t nic;
     };
     std::vector<Query> queries_;  // count queries to answer at the next tick
+    std::vector<AccessCheck> access_checks_;  // check_access(): questions out
+    uint64_t access_nonce_ = 0;
+    static constexpr auto kAccessWait = std::chrono::seconds(1);
+    static constexpr auto kAccessSettle = std::chrono::milliseconds(20);
+    static constexpr auto kAccessRetry = std::chrono::milliseconds(50);
+    static constexpr auto kAccessGrace = std::chrono::milliseconds(300);  // a refused probe's wait
+    // note_region(): per NIC, key -> the region as writes address it (any thread: access_mu_)
+    struct AccessEntry {
+        uint64_t base = 0, len = 0;
+        bool writable = false;
+    };
+    std::mutex access_mu_;
+    std::vector<std::unordered_map<uint64_t, AccessEntry>> access_;
     struct OutFrame {
         char type;
         std::string to;

@@ -104,6 +104,8 @@ class PyEngine {
             throw;
         }
         std::vector<uint64_t> keys = reg.keys;
+        for (size_t n = 0; n < keys.size(); n++)  // what a writer the transport failed may ask of
+            engine_->note_region(static_cast<uint32_t>(n), keys[n], ptr, len, remote_write);
         std::lock_guard<std::mutex> lock(mu_);
         regs_.emplace(handle, std::move(reg));
         return {handle, keys};
@@ -498,6 +500,8 @@ class PyEngine {
     }
 
     void release(Registration<Mr>& reg) {
+        for (size_t n = 0; n < reg.mrs.size() && n < reg.keys.size(); n++)
+            engine_->forget_region(static_cast<uint32_t>(n), reg.keys[n]);
         for (size_t n = 0; n < reg.mrs.size(); n++) engine_->nic(n).deregister_memory(reg.mrs[n]);
         reg.mrs.clear();
     }
