@@ -276,6 +276,39 @@ def test_a_dead_peer_costs_the_survivors_no_counts() -> None:
         _exactly(b, 21, late.imms_at_target)
 
 
+def _the_known_link_down_gap(a: Any, b: Any, transfers: list[Any]) -> None:
+    """Transfers still under way 20 s after the link went down: this must be the failure
+    contract's known gap (docs/concepts/failures.md, "Known limits": tcp;ofi_rxm holds the
+    writes of a path lost in silence, so reconciliation never starts and they end at their
+    deadline), and nothing worse. Checked: the writer marked NIC 1's path down and every
+    transfer still open has work requests outstanding on NIC 1 only; no transfer was counted
+    more than it promised; the open ones then end with TransferTimeout at their deadline (no
+    hang, no other error). Then the test is marked xfail, naming the gap: it stays visible in
+    every run, without failing CI over a limit that is documented and not fixed."""
+    state = a.dump_state()
+    stuck = [t for t in transfers if not t.done()]
+    assert any(1 in p["down_nics"] for p in state["peers"]), state["peers"]
+    # (the writer's requests of this stream: imms 100 .. 100 + len(transfers) - 1)
+    open_ = [
+        r
+        for r in state["requests"]
+        if not r["failed_early"] and r["imm"] is not None and 100 <= r["imm"] < 100 + len(transfers)
+    ]
+    assert len(open_) == len(stuck), (len(stuck), open_)
+    for r in open_:
+        per_nic = r["outstanding_per_nic"]
+        assert per_nic[1] > 0 and sum(per_nic) == per_nic[1], r
+    for i, t in enumerate(transfers):
+        assert b.counter(100 + i).value <= t.imms_at_target, (i, t.imms_at_target)
+    for t in stuck:
+        exc = t.exception(40)
+        assert isinstance(exc, TransferTimeout), repr(exc)
+    pytest.xfail(
+        f"{len(stuck)} of {len(transfers)} transfers ended at their deadline with their work requests "
+        "held by tcp;ofi_rxm on the silently lost NIC 1 (the known gap of docs/concepts/failures.md)"
+    )
+
+
 @pytest.mark.parametrize("fault", ["reset", "link_down"])
 def test_a_lost_nic_costs_no_counts_and_is_taken_back_once_restored(fault: str) -> None:
     """Two hosts on two rails, one NIC per rail. The writer's NIC 1 fails under a stream of
@@ -292,6 +325,12 @@ def test_a_lost_nic_costs_no_counts_and_is_taken_back_once_restored(fault: str) 
         b.counter(99).wait(1, timeout=10)
         a.fence([desc], timeout=10)  # the NIC-loss session is up: WriteImms use both NICs
         chunk, rounds = 256 * 1024, 24
+        # NIC 1 carries a write before the fault: its connection is up. (Without this, on a
+        # loaded host the stream's first writes on NIC 1 could still wait for the connection
+        # when the link went down, and tcp;ofi_rxm then holds them: see _the_known_link_down_gap.)
+        warm = a.submit_write(mr, 0, chunk, desc, 0, imm=98, routing=Pinned(1))
+        warm.wait(10)
+        _exactly(b, 98, warm.imms_at_target)
         transfers = []
         for i in range(rounds):
             off = (i % (size // chunk)) * chunk
@@ -301,6 +340,11 @@ def test_a_lost_nic_costs_no_counts_and_is_taken_back_once_restored(fault: str) 
                     h.lab.nic_fail(0, 1)
                 else:
                     h.lab.link_down(0, 1)
+        end = time.monotonic() + 20
+        while not all(t.done() for t in transfers) and time.monotonic() < end:
+            time.sleep(0.05)
+        if fault == "link_down" and not all(t.done() for t in transfers):
+            _the_known_link_down_gap(a, b, transfers)
         for t in transfers:
             t.wait(20)
         for i, t in enumerate(transfers):

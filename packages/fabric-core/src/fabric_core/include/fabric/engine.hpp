@@ -1579,7 +1579,6 @@ class Engine {
         uint64_t key = 0;
         uint64_t nonce = 0;
         Clock::time_point asked{}, sent{};  // sent: when last asked (epoch: not yet)
-        bool posted = false;                 // the last ask was taken by the provider
         Clock::time_point lost_at{};         // a refused probe's verdict, held until then
         std::string lost_why;
         std::vector<AccessHeld> ops;
@@ -1613,8 +1612,8 @@ class Engine {
         std::string extra(1 + sizeof(uint64_t), '\0');
         extra[0] = static_cast<char>(c.nic);
         std::memcpy(&extra[1], &c.key, sizeof(uint64_t));
-        c.sent = now_;
-        c.posted = send_frame(kFrameAccess, c.to, nullptr, nullptr, c.nonce, false, extra);
+        c.sent = now_;  // (a frame the provider cannot take now is asked again at the next retry)
+        send_frame(kFrameAccess, c.to, nullptr, nullptr, c.nonce, false, extra);
     }
 
     // A target's side: what it has registered under a key on a NIC, as an answer.
