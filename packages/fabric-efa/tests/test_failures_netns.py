@@ -325,9 +325,10 @@ def test_a_lost_nic_costs_no_counts_and_is_taken_back_once_restored(fault: str) 
         b.counter(99).wait(1, timeout=10)
         a.fence([desc], timeout=10)  # the NIC-loss session is up: WriteImms use both NICs
         chunk, rounds = 256 * 1024, 24
-        # NIC 1 carries a write before the fault: its connection is up. (Without this, on a
-        # loaded host the stream's first writes on NIC 1 could still wait for the connection
-        # when the link went down, and tcp;ofi_rxm then holds them: see _the_known_link_down_gap.)
+        # NIC 1 carries a write before the fault: its connection is up, as the test means.
+        # (Without it, whether the connection had come up when the link went down was a race:
+        # writes still waiting for a connection that cannot come up fail and are retried,
+        # writes on an established one are held: see _the_known_link_down_gap.)
         warm = a.submit_write(mr, 0, chunk, desc, 0, imm=98, routing=Pinned(1))
         warm.wait(10)
         _exactly(b, 98, warm.imms_at_target)
