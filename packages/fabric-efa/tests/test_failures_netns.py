@@ -326,9 +326,9 @@ def test_a_lost_nic_costs_no_counts_and_is_taken_back_once_restored(fault: str) 
         a.fence([desc], timeout=10)  # the NIC-loss session is up: WriteImms use both NICs
         chunk, rounds = 256 * 1024, 24
         # NIC 1 carries a write before the fault: its connection is up, as the test means.
-        # (Without it, whether the connection had come up when the link went down was a race:
-        # writes still waiting for a connection that cannot come up fail and are retried,
-        # writes on an established one are held: see _the_known_link_down_gap.)
+        # (Without it, whether the connection had come up when the link went down was left to
+        # chance, and the test usually passed alone and failed under load; writes on an
+        # established connection are held: see _the_known_link_down_gap.)
         warm = a.submit_write(mr, 0, chunk, desc, 0, imm=98, routing=Pinned(1))
         warm.wait(10)
         _exactly(b, 98, warm.imms_at_target)
