@@ -1649,28 +1649,28 @@ class Engine {
         char key[24];
         std::snprintf(key, sizeof(key), "%#llx", static_cast<unsigned long long>(c.key));
         std::string where = " (key " + std::string(key) + " on its NIC " + std::to_string(c.nic) + ")";
+        // Why the target would have refused a held write ("": it would have taken it).
+        auto refusal = [&](const AccessHeld& h) -> std::string {
+            if (!known)
+                return "the target refused the write: it has no region under that key" + where +
+                       " (never issued, or deregistered since)";
+            if (!writable) return "the target refused the write: its region is registered without remote write" + where;
+            if (h.raddr < base || h.op->len > rlen || h.raddr - base > rlen - h.op->len)
+                return "the target refused the write: " + span_text(h.raddr, h.op->len) + " is outside its region " +
+                       span_text(base, rlen) + where;
+            return std::string();
+        };
+        std::vector<std::pair<AccessHeld*, std::string>> verdicts;
+        for (auto& h : c.ops) verdicts.emplace_back(&h, h.op->request->abandoned ? std::string() : refusal(h));
         // Refused writes settle first: a request with a refused work request fails as refused,
         // though others of it (inside the region) were cancelled with the connection.
-        std::stable_partition(c.ops.begin(), c.ops.end(), [&](const AccessHeld& h) {
-            return !known || !writable || h.raddr < base || h.op->len > rlen || h.raddr - base > rlen - h.op->len;
-        });
-        for (auto& h : c.ops) {
-            std::string why;
-            if (h.op->request->abandoned) {
-            } else if (!known) {
-                why = "the target refused the write: it has no region under that key" + where +
-                      " (never issued, or deregistered since)";
-            } else if (!writable) {
-                why = "the target refused the write: its region is registered without remote write" + where;
-            } else if (h.raddr < base || h.op->len > rlen || h.raddr - base > rlen - h.op->len) {
-                why = "the target refused the write: " + span_text(h.raddr, h.op->len) + " is outside its region " +
-                      span_text(base, rlen) + where;
-            }
-            h.op->state = OpCtx::kPosted;
+        std::stable_partition(verdicts.begin(), verdicts.end(), [](const auto& v) { return !v.second.empty(); });
+        for (auto& [h, why] : verdicts) {
+            h->op->state = OpCtx::kPosted;
             if (why.empty()) {
-                fail_op(*h.op, h.status, h.message);  // it would have taken it: the failure it was
+                fail_op(*h->op, h->status, h->message);  // it would have taken it: the failure it was
             } else {
-                fail_op(*h.op, kRemoteAccess, why);
+                fail_op(*h->op, kRemoteAccess, why);
             }
         }
     }

@@ -500,8 +500,7 @@ class PyEngine {
     }
 
     void release(Registration<Mr>& reg) {
-        for (size_t n = 0; n < reg.mrs.size() && n < reg.keys.size(); n++)
-            engine_->forget_region(static_cast<uint32_t>(n), reg.keys[n]);
+        for (size_t n = 0; n < reg.keys.size(); n++) engine_->forget_region(static_cast<uint32_t>(n), reg.keys[n]);
         for (size_t n = 0; n < reg.mrs.size(); n++) engine_->nic(n).deregister_memory(reg.mrs[n]);
         reg.mrs.clear();
     }
