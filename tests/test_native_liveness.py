@@ -18,7 +18,8 @@ Case 10: writes the domain leaves out of the queue depth (the CUDA IPC domain's 
 a peer's GPU memory) are neither held by it nor take from it. Case 12: a write the transport
 fails without a reason (as tcp does over a refused key) is held while the target is asked
 what it registered under the key: a refusal becomes kRemoteAccess saying why, a write the
-target would have taken fails as it did, a target that cannot answer costs 1 s.
+target would have taken fails as it did, a target that cannot answer costs 1 s, and the
+engine's dump lists the question while it is out.
 (``nox -s sanitize`` runs it under ThreadSanitizer too.)
 """
 
@@ -60,7 +61,7 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("9", "0 posts to the closed endpoint, 0 writes reaped after it was gone"),
         ("10", "10 of 10 posted while held, then 2 of 3 counted ones"),
         ("11", "3 counted to an engine of this process, 3 after 2 more to one of another, 0 once reported"),
-        ("12", "access: no answer -> 1 after"),
+        ("12", "access: the dump showed the question out (key 77, 1 write held"),
     ],
 )
 def test_liveness_probes_answer_late_and_fail_only_the_gone(program: Path, case: str, says: str) -> None:

@@ -17,14 +17,18 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include <fabric/cuda.hpp>
 #include <fabric/engine.hpp>
+#include <fabric/region_table.hpp>
 #include <fabric/shm_orphans.hpp>
 
 namespace fabric::efa {
@@ -121,6 +125,10 @@ struct ProviderInfo {
 // (kill(pid, 0) says ESRCH); a live process's are never touched. Returns how many went.
 inline size_t remove_orphan_regions(const char* dir_path = "/dev/shm") {
     return remove_orphans(dir_path, [](const char* name) {
+        // (and the region tables of their endpoints: fabric-acl.<endpoint name>, see
+        // fabric/region_table.hpp)
+        constexpr char kTable[] = "fabric-acl.";
+        if (std::strncmp(name, kTable, sizeof(kTable) - 1) == 0) name += sizeof(kTable) - 1;
         int pid = 0, a = 0, b = 0, used = 0;
         if (std::sscanf(name, "%d:%d:%d%n", &pid, &a, &b, &used) == 3 && name[used] == '\0') return pid;
         if (std::sscanf(name, "fabric-%d-%*[0-9a-f]-%d%n", &pid, &a, &used) == 2 && name[used] == '\0') return pid;
@@ -208,11 +216,14 @@ class LibfabricDomain {
             size_t len = sizeof(name);
             check(fi_getname(&ep_->fid, name, &len), "fi_getname");
             address_.assign(name, len);
+            // shm: what this endpoint's registrations take, for writers to read before they
+            // post (fabric/region_table.hpp); made before anyone can know the address
+            if (shm_) table_ = std::make_unique<region_table::Owner>(address_);
         } catch (...) {
             close();
             throw;
         }
-        (void)index;
+        index_ = static_cast<uint32_t>(index);
     }
 
     ~LibfabricDomain() { close(); }
@@ -269,6 +280,12 @@ class LibfabricDomain {
         std::lock_guard<std::mutex> lock(av_mu_);
         int n = fi_av_insert(av_, padded, 1, &out, 0, nullptr);
         if (n != 1) throw LibfabricError("fi_av_insert", n < 0 ? n : -FI_EINVAL);
+        if (shm_ && out != FI_ADDR_NOTAVAIL && out < (uint64_t(1) << 24)) {  // its region table
+            auto& view = views_by_name_[address];
+            if (!view) view = std::make_shared<region_table::View>(address);
+            if (views_.size() <= out) views_.resize(out + 1);
+            views_[out] = view->mapped() ? view : nullptr;
+        }
         return out;
     }
 
@@ -312,10 +329,16 @@ class LibfabricDomain {
         }
         key = fi_mr_key(mr);
         desc = fi_mr_desc(mr);
+        if (table_) table_->add(key, virt_addr() ? reinterpret_cast<uint64_t>(ptr) : 0, len, remote_write);
         return mr;
     }
 
-    void deregister_memory(fid_mr* mr) { fi_close(&mr->fid); }
+    // On shm the region table's entry goes first, and the writes that checked it complete
+    // (region_table::Owner::revoke), so that no write reaches the closed registration.
+    void deregister_memory(fid_mr* mr) {
+        if (table_) table_->revoke(fi_mr_key(mr));
+        fi_close(&mr->fid);
+    }
 
     // Registers an engine-owned buffer for local access (control-message bounce buffers):
     // providers with FI_MR_LOCAL (efa) take no unregistered buffer. Closed with the domain.
@@ -339,6 +362,16 @@ class LibfabricDomain {
                 return 0;
             }
         }
+        // shm: a write the target would refuse is never posted (its region table says so),
+        // and one that is posted holds its table entry until it completes (see region_table).
+        std::atomic<int64_t>* hold = nullptr;
+        if (w.peer < views_.size() && views_[w.peer]) {
+            std::string why;
+            if (views_[w.peer]->check(w.rkey, w.raddr, w.len, index_, hold, why) == region_table::View::kRefused) {
+                refused_.emplace_back(ctx, std::move(why));
+                return 0;
+            }
+        }
         // A zero-length write (imm only) still names a valid local buffer and remote range:
         // some providers dereference them.
         static char zero_len_source[8];
@@ -359,6 +392,16 @@ class LibfabricDomain {
         // write has no bytes, and shm never completes one asked to deliver-complete.
         uint64_t flags = FI_COMPLETION | (w.len ? FI_DELIVERY_COMPLETE : 0) | (w.has_imm ? FI_REMOTE_CQ_DATA : 0);
         ssize_t rc = fi_writemsg(ep_, &msg, flags);
+        if (hold) {
+            if (rc == 0) {
+                auto* op = static_cast<OpCtx*>(ctx);  // (the engine's context for every post)
+                op->domain_word = hold;
+                op->domain_index = held_.size();
+                held_.push_back(op);
+            } else {
+                region_table::View::release(hold);
+            }
+        }
         return rc == -FI_EAGAIN ? -EAGAIN : static_cast<int>(rc);
     }
 
@@ -402,6 +445,12 @@ class LibfabricDomain {
             for (void* ctx : dropped) sink.on_error(ctx, kTransport, "NIC down (injected): dropped");
             if (!dropped.empty()) return dropped.size();
         }
+        if (!refused_.empty()) {  // (reported from here, as a provider reports its errors)
+            std::vector<std::pair<void*, std::string>> refused;
+            refused.swap(refused_);
+            for (auto& [ctx, why] : refused) sink.on_error(ctx, kRemoteAccess, why);
+            return refused.size();
+        }
         fi_cq_data_entry entries[64];
         fi_addr_t srcs[64];
         ssize_t got = sources_ ? fi_cq_readfrom(cq_, entries, 64, srcs) : fi_cq_read(cq_, entries, 64);
@@ -412,6 +461,7 @@ class LibfabricDomain {
                 char buf[256] = {0};
                 const char* detail = fi_cq_strerror(cq_, err.prov_errno, err.err_data, buf, sizeof(buf));
                 std::string message = std::string(fi_strerror(err.err)) + (detail ? std::string(" (") + detail + ")" : "");
+                unhold(err.op_context);
                 sink.on_error(err.op_context, status_of(err.err), message);
             }
             return 1;
@@ -429,6 +479,7 @@ class LibfabricDomain {
             } else if (e.flags & FI_SEND) {
                 sink.on_send_done(e.op_context);
             } else if (e.flags & (FI_WRITE | FI_RMA)) {
+                unhold(e.op_context);
                 if (failed) {
                     sink.on_error(e.op_context, kTransport, "NIC down (injected): acknowledgement lost");
                 } else {
@@ -440,8 +491,28 @@ class LibfabricDomain {
     }
 
   private:
+    // A posted write has completed (or failed): the region-table hold it took is given back.
+    void unhold(void* ctx) {
+        if (held_.empty() || ctx == nullptr) return;
+        auto* op = static_cast<OpCtx*>(ctx);
+        if (op->domain_word == nullptr || op->domain_index >= held_.size() || held_[op->domain_index] != op) return;
+        region_table::View::release(static_cast<std::atomic<int64_t>*>(op->domain_word));
+        op->domain_word = nullptr;
+        held_[op->domain_index] = held_.back();  // (order does not matter)
+        held_[op->domain_index]->domain_index = op->domain_index;
+        held_.pop_back();
+    }
+
     void close() {
         if (ep_) fi_close(&ep_->fid);
+        for (OpCtx* op : held_) {  // never to be reported
+            region_table::View::release(static_cast<std::atomic<int64_t>*>(op->domain_word));
+            op->domain_word = nullptr;
+        }
+        held_.clear();
+        views_.clear();
+        views_by_name_.clear();
+        table_.reset();
         for (auto* mr : local_mrs_) fi_close(&mr->fid);
         local_mrs_.clear();
         if (cq_) fi_close(&cq_->fid);
@@ -473,6 +544,16 @@ class LibfabricDomain {
     std::vector<void*> dropped_;
     std::string address_;
     std::vector<fid_mr*> local_mrs_;
+    uint32_t index_ = 0;  // which of its group's NICs (messages)
+    // shm (fabric/region_table.hpp): this endpoint's table; the peers' tables, by address-vector
+    // handle (null: none, posted unchecked) and by address; the writes posted holding an entry
+    // of one (the hold in their OpCtx::domain_word); writes refused before posting, reported by the next poll. The views,
+    // holds and refusals are touched under the engine's progress lock only.
+    std::unique_ptr<region_table::Owner> table_;
+    std::unordered_map<std::string, std::shared_ptr<region_table::View>> views_by_name_;
+    std::vector<std::shared_ptr<region_table::View>> views_;
+    std::vector<OpCtx*> held_;  // each at its domain_index
+    std::vector<std::pair<void*, std::string>> refused_;
     static constexpr uint64_t kLocalKeyBase = uint64_t(1) << 48;
 };
 

@@ -368,23 +368,37 @@ def test_closing_an_engine_while_other_threads_submit_to_it(provider: str) -> No
 def test_opening_an_shm_engine_removes_the_regions_of_dead_processes_only() -> None:
     """shm leaves a killed process's 16 MiB regions in /dev/shm for good; opening an shm
     engine removes those whose process is gone (both of shm's names: ``pid:uid:n`` and the
-    ``fabric-pid-nonce-nic`` this backend gives an endpoint itself), and nothing else."""
+    ``fabric-pid-nonce-nic`` this backend gives an endpoint itself, and the region table of
+    each, ``fabric-acl.<name>``), and nothing else; a live engine's table is there while it
+    is open and gone once it is closed."""
     dead_proc = subprocess.Popen(["true"])
     dead_proc.wait()
     live_proc = subprocess.Popen(["sleep", "30"])
     dead, live = dead_proc.pid, live_proc.pid
     shm = Path("/dev/shm")
-    gone = [shm / f"{dead}:0:0", shm / f"fabric-{dead}-00c0ffee12345678-1"]
+    gone = [
+        shm / f"{dead}:0:0",
+        shm / f"fabric-{dead}-00c0ffee12345678-1",
+        shm / f"fabric-acl.{dead}:0:0",
+        shm / f"fabric-acl.fabric-{dead}-00c0ffee12345678-1",
+    ]
     kept = [
         shm / f"{live}:0:0",
         shm / f"fabric-{live}-00c0ffee12345678-0",
+        shm / f"fabric-acl.{live}:0:0",
         shm / f"{dead}:x:0",
         shm / f"{dead}-note",
+        shm / f"fabric-acl.{dead}-note",
     ]
     try:
         for f in gone + kept:
             f.write_bytes(b"region")
-        registry.open_engine("efa", efa_provider="shm").close()
+        engine = registry.open_engine("efa", efa_provider="shm")
+        name = engine.address.raw.split(b"\0")[0].decode().removeprefix("fi_shm://")
+        table = shm / f"fabric-acl.{name}"
+        assert table.exists()
+        engine.close()
+        assert not table.exists()
         assert [f for f in gone if f.exists()] == []
         assert [f for f in kept if not f.exists()] == []
     finally:

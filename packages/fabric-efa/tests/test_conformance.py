@@ -39,12 +39,11 @@ class EfaHarness(Harness):
         # shm addresses name their process, so the engine knows an endpoint closed here; a
         # tcp address is a port that any process may bind next, and tcp says nothing
         self.detects_closed_peers = provider == "shm"
-        # libfabric 1.17's shm wedges a writer's endpoint once a target refused one of its
-        # writes (docs/concepts/security.md, "Known limits")
-        self.survives_refused_writes = provider != "shm"
         # tcp drops the connection on a refused key and the engine asks the target why
-        # (Engine::check_access); shm leaves such a write incomplete
-        self.reports_remote_access_errors = provider != "shm"
+        # (Engine::check_access); on shm the writer reads the target's region table and never
+        # posts a write the target would refuse (fabric/region_table.hpp: shm would wedge)
+        self.survives_refused_writes = True
+        self.reports_remote_access_errors = True
 
     def _open(self, nics: int, config: dict[str, Any]) -> TransferEngine:
         from fabric_efa.engine import EfaEngine
@@ -100,11 +99,11 @@ def fabric_harness(request: pytest.FixtureRequest, fabric_seed: int) -> Iterator
                 **LIVENESS,
             },
             max_nics=MAX_NICS,
-            reports_remote_access_errors=name != "shm",
+            reports_remote_access_errors=True,
             # shm and tcp are silent about a peer closed in another process: the liveness
             # probes tell (within LIVENESS's interval + timeout)
             detects_closed_peers=True,
-            survives_refused_writes=name != "shm",
+            survives_refused_writes=True,
             # SIGSTOP of the engine's worker process. Not on shm: a process stopped while it
             # holds its shared-memory region's lock blocks every writer inside the provider
             # (docs/concepts/failures.md, "Known limits")

@@ -498,6 +498,8 @@ class NativeEngine(EngineBase):
             r["peers"] = [p.hex() for p in r["peers"]]
         for p in state.get("peers", []):
             p["address"] = p["address"].hex()
+        for c in state.get("access_checks", []):
+            c["peer"] = c["peer"].hex()
         return state
 
     def _backend_check_peer(self, peer: DomainAddress) -> None:

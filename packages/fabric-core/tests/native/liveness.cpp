@@ -541,10 +541,20 @@ void access_checks_say_why_a_write_failed() {
     CHECK(p.counters->value(1001) == 0 && p.counters->value(1002) == 0 && p.counters->value(1004) == 0);
     p.a->nic(0).refuse_sends = 1 << 30;  // A's answers never leave
     nic.drop_writes = 1;
+    std::vector<fabric::AccessCheckView> seen;  // what the dump shows meanwhile
+    std::thread look([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(400));
+        seen = p.b->dump().access_checks;
+    });
     auto [silent, silent_why, t5] = write(1005, forged(77, p.at->remote_base));
+    look.join();
     p.a->nic(0).refuse_sends = 0;
     std::printf("access: no answer -> %d after %.3f s\n", silent, t5);
     CHECK(silent == fabric::kPeerUnreachable && t5 >= 0.9 && t5 < 5.0);
+    CHECK(seen.size() == 1 && seen[0].peer == p.a->nic(0).address() && seen[0].nic == 0 && seen[0].key == 77);
+    CHECK(seen[0].writes == 1 && seen[0].age_s >= 0.3 && seen[0].age_s < 0.9);
+    CHECK(p.b->dump().access_checks.empty());
+    std::printf("access: the dump showed the question out (key 77, 1 write held, %.2f s old)\n", seen[0].age_s);
     nic.silent_refusals = false;
     auto [after, after_why, t6] = write(1006, p.at);  // B still writes to A
     CHECK(after == fabric::kOk && p.counted(1006));

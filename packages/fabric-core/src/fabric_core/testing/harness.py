@@ -33,12 +33,13 @@ class Harness(ABC):
     max_nics: int = 1
     """Largest NIC count ``open_engine`` can give."""
     reports_remote_access_errors: bool = True
-    """A write with a stale or forged key fails at the writer (some providers never report it:
-    libfabric's shm and tcp leave such a write incomplete)."""
+    """A write with a stale or forged key fails at the writer with ``RemoteAccessError`` (a
+    transport may never report it: libfabric's shm leaves such a write incomplete, which
+    fabric-efa avoids by checking the target's region table before posting)."""
     survives_refused_writes: bool = True
     """After the target refuses one of its writes (a stale or forged key), the writer goes on
-    writing to every peer. libfabric 1.17's shm wedges the writer's endpoint instead: later
-    writes to any peer never complete."""
+    writing to every peer (libfabric 1.17's shm, given such a write, wedges the writer's
+    endpoint: later writes to any peer never complete)."""
     detects_closed_peers: bool = True
     """A write to an engine that was closed fails with ``PeerUnreachable`` at the writer.
     A transport can be silent about it (libfabric's tcp provider, or any provider across

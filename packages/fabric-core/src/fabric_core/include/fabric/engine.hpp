@@ -89,6 +89,7 @@
 #include "counters.hpp"
 #include "mpsc_queue.hpp"
 #include "reconcile.hpp"
+#include "region_table.hpp"
 
 #ifndef FABRIC_IDLE_SPIN_US
 #define FABRIC_IDLE_SPIN_US 200  // the worker's idle polling before it naps (see Engine::run)
@@ -262,6 +263,10 @@ struct OpCtx {
     uint32_t posts = 0;               // times posted (fence(): which posting it waits for)
     bool queued = false;              // posted and counted in its peer's ``queued`` (queue depth)
     bool inbound = false;             // posted and counted in its peer's ``posted_here``
+    // The domain's own, from post_write of a write until its poll reports it (the engine never
+    // touches them): fabric-efa's shm domain keeps the region-table hold the write took there.
+    void* domain_word = nullptr;
+    size_t domain_index = 0;
 };
 
 // The bytes-only retries of one reconciliation: the make-up imms go once all have landed.
@@ -331,9 +336,17 @@ struct PeerView {
     std::string session;           // NIC-loss session: none, hello sent, reconcilable, unattributed
     std::vector<size_t> down_nics;  // NICs whose path to it is avoided now
 };
+struct AccessCheckView {  // a question out to a target (Engine::check_access)
+    std::string peer;       // its NIC 0 address
+    uint32_t nic;
+    uint64_t key;
+    double age_s;           // since the first write it holds failed
+    size_t writes;          // the failed writes held on its answer
+};
 struct EngineDump {
     std::vector<RequestView> requests;
     std::vector<PeerView> peers;
+    std::vector<AccessCheckView> access_checks;
     size_t inflight_wrs = 0;
     std::vector<size_t> unposted_per_nic;
     uint64_t pokes_sent = 0;  // see Engine::poke
@@ -796,6 +809,7 @@ class Engine {
             out.unposted_per_nic.push_back(waiting);
         }
         out.pokes_sent = pokes_sent_;
+        for (const auto& c : access_checks_) out.access_checks.push_back({c.to, c.nic, c.key, secs(now - c.asked), c.ops.size()});
         for (const auto& [id, r] : live_) {
             RequestView v{};
             v.id = id;
@@ -1646,19 +1660,9 @@ class Engine {
         uint64_t base, rlen;
         std::memcpy(&base, body + 2, sizeof(base));
         std::memcpy(&rlen, body + 2 + sizeof(base), sizeof(rlen));
-        char key[24];
-        std::snprintf(key, sizeof(key), "%#llx", static_cast<unsigned long long>(c.key));
-        std::string where = " (key " + std::string(key) + " on its NIC " + std::to_string(c.nic) + ")";
         // Why the target would have refused a held write ("": it would have taken it).
-        auto refusal = [&](const AccessHeld& h) -> std::string {
-            if (!known)
-                return "the target refused the write: it has no region under that key" + where +
-                       " (never issued, or deregistered since)";
-            if (!writable) return "the target refused the write: its region is registered without remote write" + where;
-            if (h.raddr < base || h.op->len > rlen || h.raddr - base > rlen - h.op->len)
-                return "the target refused the write: " + span_text(h.raddr, h.op->len) + " is outside its region " +
-                       span_text(base, rlen) + where;
-            return std::string();
+        auto refusal = [&](const AccessHeld& h) {
+            return refusal_text(known, writable, base, rlen, h.raddr, h.op->len, c.key, c.nic);
         };
         std::vector<std::pair<AccessHeld*, std::string>> verdicts;
         for (auto& h : c.ops) verdicts.emplace_back(&h, h.op->request->abandoned ? std::string() : refusal(h));
@@ -1673,13 +1677,6 @@ class Engine {
                 fail_op(*h->op, kRemoteAccess, why);
             }
         }
-    }
-
-    static std::string span_text(uint64_t at, uint64_t len) {
-        char buf[64];
-        std::snprintf(buf, sizeof(buf), "[%#llx, +%llu)", static_cast<unsigned long long>(at),
-                      static_cast<unsigned long long>(len));
-        return buf;
     }
 
     // tick: questions asked again every kFenceRetry (a connection being rebuilt loses what was

@@ -418,6 +418,17 @@ class PyEngine {
                 v["down_nics"] = p.down_nics;
                 peers.append(v);
             }
+            py::list checks;
+            for (auto& c : e.access_checks) {
+                py::dict v;
+                v["peer"] = py::bytes(c.peer);
+                v["nic"] = c.nic;
+                v["key"] = c.key;
+                v["age_s"] = c.age_s;
+                v["writes_held"] = c.writes;
+                checks.append(v);
+            }
+            d["access_checks"] = checks;
             if (e.progress_stuck_s >= 0) d["progress_stuck_s"] = e.progress_stuck_s;
             d["inflight_work_requests"] = e.inflight_wrs;
             d["unposted_per_nic"] = e.unposted_per_nic;
