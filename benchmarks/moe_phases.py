@@ -9,7 +9,12 @@ microsecond of timer; times are inclusive (``dispatch_send`` contains ``submit_w
 
 On a host without GPUs use ``--device cpu`` (efa on shm, gloo for the baseline; torch's CPU
 kernels then dominate). Prints, per implementation and stage: calls per step, median and mean
-microseconds per call, and microseconds per step (mean x calls), for each rank.
+microseconds per call, and microseconds per step (mean x calls), for each rank. The rows
+``engine._process (completion thread)`` and ``(drainer)`` time the batches of completions
+handed to Python by the engine's completion thread (which holds the GIL meanwhile) and by a
+waiting thread. ``MOE_PHASES_COMPLETION_NAP_S=S`` makes the completion thread nap S seconds
+before each batch, so that waiting threads take most completions themselves (an experiment on
+GIL hand-offs, docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -63,6 +69,41 @@ def _install() -> dict[str, list[float]]:
     for name in ("submit_write", "submit_imm", "submit_scatter"):
         wrap(native.NativeEngine, name, f"fabric engine.{name}")
     wrap(counters.TableCounter, "expect", "fabric counter.expect")
+    # completions handed to Python, by the thread that did it: the completion thread holds
+    # the GIL meanwhile (the main thread's torch calls release and retake it), a drainer is
+    # the waiting thread itself
+    inner_process: Callable[..., Any] = native.NativeEngine._process
+
+    def process(self: Any, *args: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return inner_process(self, *args)
+        finally:
+            who = "completion thread" if "completion" in threading.current_thread().name else "drainer"
+            spans[f"fabric engine._process ({who})"].append(time.perf_counter() - t0)
+
+    native.NativeEngine._process = process  # type: ignore[method-assign]
+    # Experiment (MOE_PHASES_COMPLETION_NAP_S): the completion thread naps that long before each
+    # batch it takes, so the waiting thread hands most completions to Python itself (no GIL
+    # hand-off between threads in the middle of the step's torch calls).
+    nap = float(os.environ.get("MOE_PHASES_COMPLETION_NAP_S", "0"))
+    if nap > 0:
+
+        def complete(self: Any) -> None:  # NativeEngine._complete with the nap
+            core = self._core
+            while True:
+                time.sleep(nap)
+                batch = core.wait_batch(0.05)
+                if not any(batch):
+                    if self._stop:
+                        return
+                    continue
+                try:
+                    self._process(*batch)
+                finally:
+                    core.batch_done()
+
+        native.NativeEngine._complete = complete  # type: ignore[method-assign]
     if torch.cuda.is_available():
         wrap(torch.cuda, "synchronize", "both torch.cuda.synchronize")
     return spans
