@@ -88,22 +88,13 @@ def _install() -> dict[str, list[float]]:
     # hand-off between threads in the middle of the step's torch calls).
     nap = float(os.environ.get("MOE_PHASES_COMPLETION_NAP_S", "0"))
     if nap > 0:
+        next_batch: Callable[..., Any] = native.NativeEngine._next_batch
 
-        def complete(self: Any) -> None:  # NativeEngine._complete with the nap
-            core = self._core
-            while True:
-                time.sleep(nap)
-                batch = core.wait_batch(0.05)
-                if not any(batch):
-                    if self._stop:
-                        return
-                    continue
-                try:
-                    self._process(*batch)
-                finally:
-                    core.batch_done()
+        def napping(self: Any) -> Any:
+            time.sleep(nap)
+            return next_batch(self)
 
-        native.NativeEngine._complete = complete  # type: ignore[method-assign]
+        native.NativeEngine._next_batch = napping  # type: ignore[method-assign]
     if torch.cuda.is_available():
         wrap(torch.cuda, "synchronize", "both torch.cuda.synchronize")
     return spans

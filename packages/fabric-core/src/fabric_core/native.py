@@ -314,7 +314,7 @@ class NativeEngine(EngineBase):
     # --- completion path: one GIL acquisition per batch ------------------------------
     def _complete(self) -> None:
         while True:
-            batch = self._core.wait_batch(0.05)
+            batch = self._next_batch()
             if not any(batch):
                 if self._stop:
                     return
@@ -323,6 +323,10 @@ class NativeEngine(EngineBase):
                 self._process(*batch)
             finally:
                 self._core.batch_done()  # a thread draining may take completions again
+
+    def _next_batch(self) -> tuple[Any, ...]:
+        """The completion thread's next batch (empty lists after 50 ms without one)."""
+        return tuple(self._core.wait_batch(0.05))
 
     def _process(
         self,
