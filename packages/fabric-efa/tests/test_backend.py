@@ -406,3 +406,42 @@ def test_opening_an_shm_engine_removes_the_regions_of_dead_processes_only() -> N
         live_proc.wait()
         for f in gone + kept:
             f.unlink(missing_ok=True)
+
+
+def test_dump_state_lists_an_access_check_while_it_is_out() -> None:
+    """Over tcp a refused write comes back cancelled with its connection, and the engine asks
+    the target why (an access check, docs/concepts/security.md). While the question is out,
+    ``dump_state()["access_checks"]`` lists it: the target, the NIC, the key and the writes
+    held on it; once answered, the write fails with ``RemoteAccessError`` and the list is empty.
+    (The question leaves 20 ms after the cancel, so polling the dump every millisecond meets it.)"""
+    import time
+
+    import numpy as np
+
+    from fabric_core.errors import RemoteAccessError
+
+    a = registry.open_engine("efa", efa_provider="tcp;ofi_rxm")
+    b = registry.open_engine("efa", efa_provider="tcp;ofi_rxm")
+    try:
+        src, dst = np.arange(4096, dtype=np.uint8), np.zeros(4096, dtype=np.uint8)
+        src_mr, dst_mr = a.register(src), b.register(dst)
+        d = dst_mr.descriptor
+        a.submit_write(src_mr, 0, 64, d, 0, imm=1).wait(10)  # connected
+        key = d.nics[0].rkey ^ 0x5A5A_0000
+        forged = d.model_copy(update={"nics": (d.nics[0].model_copy(update={"rkey": key}),)})
+        t = a.submit_write(src_mr, 0, 64, forged, 0, imm=2, timeout=10)
+        seen: list[dict[str, Any]] = []
+        end = time.monotonic() + 5
+        while not seen and not t.done() and time.monotonic() < end:
+            seen = a.dump_state()["access_checks"]
+            time.sleep(0.001)
+        assert isinstance(t.exception(10), RemoteAccessError)
+        assert seen, "the access check never showed in the dump"
+        (check,) = seen
+        assert check["peer"] == b.address.raw.hex() and check["nic"] == 0 and check["key"] == key
+        assert check["writes_held"] == 1 and check["age_s"] >= 0
+        assert a.dump_state()["access_checks"] == []
+        assert (dst[64:] == 0).all() and b.counter(2).value == 0
+    finally:
+        a.close()
+        b.close()
