@@ -124,6 +124,27 @@ enum Status : int32_t {
 
 using Clock = std::chrono::steady_clock;
 
+// A timed mutex taken by ``deadline`` (within ``wait``), or false. GCC 12's ThreadSanitizer
+// does not intercept pthread_mutex_clocklock, which libstdc++'s try_lock_until / try_lock_for
+// use on the steady clock: it would miss the acquisition and report races that are not. Built
+// with TSan, the lock is taken by polling try_lock instead (which it sees).
+template <class Lock>
+bool lock_by(Lock& lock, Clock::time_point deadline) {
+#if defined(__SANITIZE_THREAD__)
+    while (!lock.try_lock()) {
+        if (Clock::now() >= deadline) return false;
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    return true;
+#else
+    return lock.try_lock_until(deadline);
+#endif
+}
+template <class Lock, class Rep, class Period>
+bool lock_within(Lock& lock, std::chrono::duration<Rep, Period> wait) {
+    return lock_by(lock, Clock::now() + std::chrono::duration_cast<Clock::duration>(wait));
+}
+
 // A domain's poll reports an imm's source as the peer handle insert_peer gave for it, or
 // this where it cannot tell (no FI_SOURCE, a source not in the address vector).
 constexpr uint64_t kNoSource = ~uint64_t(0);
@@ -652,7 +673,7 @@ class Engine {
     std::vector<PeerTrafficView> peer_traffic() {
         std::unique_lock<std::timed_mutex> lock(progress_mu_, std::defer_lock);
         std::vector<PeerTrafficView> out;
-        if (!lock.try_lock_for(kDiagnosticWait)) return out;
+        if (!lock_within(lock, kDiagnosticWait)) return out;
         for (const auto& [addr, p] : peer_state_)
             if (p.wrs + p.errors + p.inflight > 0) out.push_back(PeerTrafficView{addr, p.wrs, p.bytes, p.errors, p.inflight});
         return out;
@@ -692,7 +713,7 @@ class Engine {
         std::unique_lock<std::timed_mutex> lock(progress_mu_, std::defer_lock);
         if (timeout_s < 0) {
             lock.lock();
-        } else if (!lock.try_lock_for(to_duration(std::min(timeout_s, 1e6)))) {
+        } else if (!lock_within(lock, to_duration(std::min(timeout_s, 1e6)))) {
             throw std::runtime_error("the engine's progress has been inside a provider call for " +
                                      std::to_string(stuck_for()).substr(0, 6) +
                                      " s (a wedged engine); nothing was cancelled");
@@ -731,7 +752,7 @@ class Engine {
         {
             // bounded: a wedged worker (see close()) holds this lock for good
             std::unique_lock<std::timed_mutex> lock(progress_mu_, std::defer_lock);
-            if (!lock.try_lock_until(deadline)) return left;
+            if (!lock_by(lock, deadline)) return left;
             nonce = ++fence_nonce_;
             now_ = Clock::now();
             for (const auto& a : addresses) {
@@ -744,7 +765,7 @@ class Engine {
         while (true) {
             {
                 std::unique_lock<std::timed_mutex> lock(progress_mu_, std::defer_lock);
-                if (!lock.try_lock_until(deadline)) {
+                if (!lock_by(lock, deadline)) {
                     stuck = true;
                     break;
                 }
@@ -766,7 +787,7 @@ class Engine {
             std::this_thread::sleep_for(std::chrono::microseconds(50));
         }
         std::unique_lock<std::timed_mutex> lock(progress_mu_, std::defer_lock);
-        if (stuck && !lock.try_lock_for(kDiagnosticWait)) {  // the worker drops its entry at its next tick
+        if (stuck && !lock_within(lock, kDiagnosticWait)) {  // the worker drops its entry at its next tick
             std::lock_guard<std::mutex> dropped(dropped_mu_);
             dropped_fences_.push_back(nonce);
             return left;
@@ -796,7 +817,7 @@ class Engine {
     EngineDump dump() {
         std::unique_lock<std::timed_mutex> lock(progress_mu_, std::defer_lock);
         EngineDump out;
-        if (!lock.try_lock_for(kDiagnosticWait)) {
+        if (!lock_within(lock, kDiagnosticWait)) {
             out.progress_stuck_s = stuck_for();
             return out;
         }
