@@ -547,8 +547,8 @@ class LibfabricDomain {
     uint32_t index_ = 0;  // which of its group's NICs (messages)
     // shm (fabric/region_table.hpp): this endpoint's table; the peers' tables, by address-vector
     // handle (null: none, posted unchecked) and by address; the writes posted holding an entry
-    // of one (the hold in their OpCtx::domain_word); writes refused before posting, reported by the next poll. The views,
-    // holds and refusals are touched under the engine's progress lock only.
+    // of one (the hold in their OpCtx::domain_word); writes refused before posting, reported
+    // by the next poll. Views, holds and refusals are touched under the engine's progress lock.
     std::unique_ptr<region_table::Owner> table_;
     std::unordered_map<std::string, std::shared_ptr<region_table::View>> views_by_name_;
     std::vector<std::shared_ptr<region_table::View>> views_;

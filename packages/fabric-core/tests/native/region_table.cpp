@@ -8,7 +8,8 @@
 //  4. a writer killed while holding: revoke() gives up after kHoldWait and says so; the slot
 //     it leaves is skipped, the key registered again still checks.
 //  5. overflow: kProbe + 1 keys on one slot; the last one is unchecked (never refused), and so
-//     is any unknown key from then on; the others still check.
+//     is any unknown key from then on; the others still check. Key 0 (a free slot's mark) is
+//     never placed: unchecked too.
 //  6. a table made again under a live view's name: the old mapping stays readable.
 //  7. threads (run under TSan too): writers check and release while the owner adds and
 //     revokes; no writer ever holds an entry whose revoke() has returned.
@@ -147,6 +148,11 @@ int main() {
         CHECK(v.check(3 + kProbe * kSlots, 0x1000 * (kProbe + 1), 64, 0, hold, why) == View::kUnchecked);
         CHECK(v.check(999, 0, 64, 0, hold, why) == View::kUnchecked && hold == nullptr);
         CHECK(v.check(3, 0x1000, 65, 0, hold, why) == View::kRefused);  // a known key still refuses
+        const std::string a5 = address_of("zero");  // key 0 marks a free slot: never placed
+        Owner z(a5);
+        View zv(a5);
+        z.add(0, 0x1000, 64, true);
+        CHECK(zv.check(0, 0x1000, 64, 0, hold, why) == View::kUnchecked && hold == nullptr);
         std::printf("overflow: ok\n");
     }
 

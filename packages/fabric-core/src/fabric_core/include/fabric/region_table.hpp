@@ -26,8 +26,8 @@
 // deregistration could reach the target just after it, and wedge the writer.
 //
 // Each entry is a seqlock (odd sequence: being written) of 64 bytes. Keys index the table
-// (with linear probing over kProbe slots); a registration that finds no free slot sets the
-// table's ``overflow`` flag, after which a writer that does not find a key posts the write
+// (with linear probing over kProbe slots); a registration that finds no free slot (or has
+// the key 0, which marks a free slot) sets the table's ``overflow`` flag, after which a writer that does not find a key posts the write
 // unchecked (as before the table) rather than refusing a key the target holds.
 #pragma once
 
@@ -197,7 +197,7 @@ class Owner {
     // A registration: from here on, writers through ``key`` are checked against it.
     void add(uint64_t key, uint64_t base, uint64_t len, bool writable) {
         std::lock_guard<std::mutex> lock(mu_);
-        for (uint32_t i = 0; i < kProbe; i++) {
+        for (uint32_t i = 0; i < kProbe && key != 0; i++) {  // (0 marks a free slot: not placed)
             Slot& s = slot((key + i) & (kSlots - 1));
             if (s.key.load() == 0 && s.holds.load() == 0) {  // (holds left by a dead writer: skipped)
                 write_slot(s, key, base, len, writable);
