@@ -239,8 +239,9 @@ void a_peer_that_is_gone() {
 
 void where_a_submit_posts() {
     Pair p;
-    auto napping = [&p] {  // idle, the worker naps after 200 us of polling
-        for (int i = 0; i < 1000 && !p.b->would_post_inline(1); i++)
+    auto napping = [&p] {  // idle, the worker naps after 200 us of polling (looked for up to
+                            // 5 s: once, under TSan in a loaded CI, 1 s was not enough)
+        for (int i = 0; i < 5000 && !p.b->would_post_inline(1); i++)
             std::this_thread::sleep_for(std::chrono::milliseconds(1));
         return p.b->would_post_inline(1);
     };
