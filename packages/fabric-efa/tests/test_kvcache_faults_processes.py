@@ -253,9 +253,10 @@ def test_a_decode_process_killed_mid_request_on_shm_ends_in_typed_errors_not_a_h
     its writes were through before A died). docs/concepts/failures.md, "A dead peer on shm".
 
     The prefill's job for B then ends ``PeerUnreachable``, or ``RemoteAccessError`` where B,
-    failing its request, revoked the pages' key first: the prefill's next writes to B are
-    refused at the prefill by B's region table (security.md), never posted (before the
-    table they waited behind A's write in the wedged endpoint)."""
+    its request failed, closed its decoder (deregistering the cache) while the prefill still
+    had writes for it to post: those are refused at the prefill by B's region table
+    (security.md) and never posted (before the table they waited behind A's write in the
+    wedged endpoint)."""
     out = _run("shm", "decode_killed")
     assert out["a"] == "exited"
     assert out["prefill"]["a"] == "PeerUnreachable" and out["prefill"]["after_s"] < 10.0
