@@ -5,7 +5,9 @@ the combine's weighted sum (the definition every implementation reproduces bitwi
 from __future__ import annotations
 
 import logging
+from typing import Any
 
+import numpy as np
 import torch
 
 from fabric_core.errors import ConfigError
@@ -52,12 +54,13 @@ def check_inputs(
         raise ConfigError(f"topk_weights must be floating point, got {topk_weights.dtype}")
     idx = topk_idx.detach().to("cpu", torch.int64)
     if t:
-        lo, hi = int(idx.min()), int(idx.max())
+        a = idx.numpy()  # the checks in numpy: a few microseconds each, a torch call ten or more
+        lo, hi = int(a.min()), int(a.max())
         if lo < -1 or hi >= config.num_experts:
             raise ConfigError(
                 f"topk_idx holds {lo if lo < -1 else hi}: ids must be in [-1, {config.num_experts})"
             )
-        s = idx.sort(dim=1).values
+        s = np.sort(a, axis=1)
         if bool(((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any()):
             raise ConfigError("topk_idx names an expert twice in one token's row")
     w = topk_weights.detach().to("cpu", torch.float32)
@@ -72,23 +75,28 @@ def _shape(obj: object) -> str:
 
 def destinations(config: MoeConfig, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(mask [T, W] bool, pair_rank [T, K] int64)``: whether token t goes to rank q (once,
-    however many of its experts q owns), and the rank of each (t, k) slot (-1: none)."""
-    t = int(idx.shape[0])
-    valid = idx >= 0
-    pair_rank = torch.where(valid, config.rank_table()[idx.clamp(min=0)], torch.full_like(idx, -1))
-    mask = torch.zeros(t, config.world_size, dtype=torch.bool)
-    tt, kk = valid.nonzero(as_tuple=True)
+    however many of its experts q owns), and the rank of each (t, k) slot (-1: none).
+    ``idx`` is a CPU int64 tensor (as ``check_inputs`` returns it)."""
+    a = idx.numpy()
+    valid = a >= 0
+    pair_rank = np.where(valid, config.owner_array()[np.maximum(a, 0)], -1)
+    mask = np.zeros((a.shape[0], config.world_size), dtype=np.bool_)
+    tt, kk = np.nonzero(valid)
     mask[tt, pair_rank[tt, kk]] = True
-    return mask, pair_rank
+    return torch.from_numpy(mask), torch.from_numpy(pair_rank)
+
+
+def _local_index(config: MoeConfig, rank: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+    owner = config.owner_array()
+    table = np.full(owner.shape, -1, dtype=np.int64)
+    mine = owner == rank
+    table[mine] = np.arange(int(mine.sum()), dtype=np.int64)
+    return table
 
 
 def local_index_table(config: MoeConfig, rank: int) -> torch.Tensor:
     """int64 ``[E]``: position of each expert among ``rank``'s local experts, -1 elsewhere."""
-    table = torch.full((config.num_experts,), -1, dtype=torch.int64)
-    local = config.local_experts(rank)
-    if local:
-        table[torch.tensor(local, dtype=torch.int64)] = torch.arange(len(local), dtype=torch.int64)
-    return table
+    return torch.from_numpy(_local_index(config, rank))
 
 
 def group_received(
@@ -106,22 +114,25 @@ def group_received(
     Record ``m`` came from ``src_rank[m]`` (its token ``src_token[m]``, routed to the global
     expert ids ``ids[m]``) and its hidden state is ``hidden[rows[m]]``. Records must be in
     (source rank, source token) order; the result's blocks are then in (source rank, source
-    token, k) order inside each expert.
+    token, k) order inside each expert. The index tensors are CPU int64; ``hidden`` may live
+    on a GPU (one gather runs there).
     """
-    local = local_index_table(config, rank)
-    li = torch.where(ids >= 0, local[ids.clamp(min=0)], torch.full_like(ids, -1))
-    m, k = (li >= 0).nonzero(as_tuple=True)  # row-major: (record, k) ascending
+    local = _local_index(config, rank)
+    e = ids.numpy()
+    li = np.where(e >= 0, local[np.maximum(e, 0)], -1)
+    m, k = np.nonzero(li >= 0)  # row-major: (record, k) ascending
     le = li[m, k]
-    order = torch.argsort(le, stable=True)
+    order = np.argsort(le, kind="stable")
     m, k, le = m[order], k[order], le[order]
     experts = config.local_experts(rank)
+    picked = torch.from_numpy(rows.numpy()[m])
     return DispatchResult(
-        tokens=hidden.index_select(0, rows[m].to(hidden.device)),  # the records may live on a GPU
-        expert_counts=torch.bincount(le, minlength=len(experts)),
+        tokens=hidden.index_select(0, picked.to(hidden.device)),  # the records may live on a GPU
+        expert_counts=torch.from_numpy(np.bincount(le, minlength=len(experts)).astype(np.int64)),
         experts=experts,
-        src_rank=src_rank[m],
-        src_token=src_token[m],
-        src_k=k,
+        src_rank=torch.from_numpy(src_rank.numpy()[m]),
+        src_token=torch.from_numpy(src_token.numpy()[m]),
+        src_k=torch.from_numpy(k.astype(np.int64)),
         tokens_per_source=tokens_per_source,
     )
 
@@ -131,15 +142,17 @@ def combine_positions(config: MoeConfig, idx: torch.Tensor) -> tuple[torch.Tenso
     pairs [W] int64)``. The origin's combine rows are packed by serving rank, ascending; rank
     ``q``'s ``pairs[q]`` rows start at ``sum(pairs[:q])`` and come in the order ``q``'s
     ``DispatchResult`` lists this origin's rows: by expert id, then token (a token names an
-    expert at most once). ``pos[t, k]`` is that slot's row; 0 for ``idx < 0`` (never read)."""
-    flat = idx.reshape(-1)
-    valid = (flat >= 0).nonzero().flatten()  # (t, k) row-major
+    expert at most once). ``pos[t, k]`` is that slot's row; 0 for ``idx < 0`` (never read).
+    ``idx`` is a CPU int64 tensor."""
+    flat = idx.numpy().reshape(-1)
+    valid = np.flatnonzero(flat >= 0)  # (t, k) row-major
     experts = flat[valid]
-    owner = config.rank_table()[experts]
-    order = valid[torch.argsort(owner * config.num_experts + experts, stable=True)]
-    pos = torch.zeros(flat.numel(), dtype=torch.int64)
-    pos[order] = torch.arange(int(order.numel()), dtype=torch.int64)
-    return pos.view(idx.shape), torch.bincount(owner, minlength=config.world_size)
+    owner = config.owner_array()[experts]
+    order = valid[np.argsort(owner * config.num_experts + experts, kind="stable")]
+    pos = np.zeros(flat.size, dtype=np.int64)
+    pos[order] = np.arange(order.size, dtype=np.int64)
+    pairs = np.bincount(owner, minlength=config.world_size).astype(np.int64)
+    return torch.from_numpy(pos).view(idx.shape), torch.from_numpy(pairs)
 
 
 def weighted_sum(

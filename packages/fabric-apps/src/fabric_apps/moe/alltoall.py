@@ -122,7 +122,7 @@ class MoeAllToAll:
                     "instances in flight together need distinct ids (their imms would collide)"
                 )
             held.add(layer)
-        self._owner = config.rank_table().numpy()  # the owning rank of each expert
+        self._owner = config.owner_array()  # the owning rank of each expert
         self._regions: list[MemoryRegion] = []
         try:
             self._allocate()
@@ -147,7 +147,7 @@ class MoeAllToAll:
         self._weights = torch.empty(0, config.top_k, dtype=torch.float32)
         self._pairs_from = [0] * config.world_size  # combine rows each rank sends back
         self._rows = 0
-        self._row_order = torch.empty(0, dtype=torch.int64)  # rows packed by origin rank
+        self._row_order = np.zeros(0, dtype=np.int64)  # rows packed by origin rank
         self._pos = torch.empty(0, dtype=torch.int64)  # each (t, k) slot's row in recv_combine
         self._rows_to: list[int] = []  # rows per origin rank
         self._rows_at: list[int] = []  # first row of each origin's in its combine buffer
@@ -165,32 +165,32 @@ class MoeAllToAll:
         # the large buffers are sized for the worst case and never read before written: left
         # uninitialised, the host pages nobody touches are never backed (EP64 at H=7168 holds
         # ~0.6 GB of buffers per rank, of which a decode step touches a few percent)
-        # records are assembled once per token, then packed per destination rank (slot
-        # [q][i] holds the i-th token for rank q) so each destination takes one write
-        self._send_records = torch.empty(t, rec, dtype=torch.uint8, device=dev)
+        # records are packed by destination rank, back to back (rank q's tokens, ascending,
+        # then rank q + 1's), so each destination takes one write
         self._send_tokens = torch.empty(w * t, rec, dtype=torch.uint8, device=dev)
         self._recv_tokens = torch.empty(w * t, rec, dtype=torch.uint8, device=dev)
         self._send_combine = torch.empty(max(1, c.max_pairs), h, dtype=c.dtype, device=dev)
         # the origin's combine rows, packed by serving rank (combine_positions)
         self._recv_combine = torch.empty(t * k, h, dtype=c.dtype, device=dev)
         # record views: int32 header (source token, K expert ids), then the hidden state
-        self._send_meta = self._send_records[:, :meta].view(torch.int32)
-        self._send_hidden = self._send_records[:, meta : meta + c.token_bytes].view(c.dtype)
+        self._send_meta = self._send_tokens[:, :meta].view(torch.int32)
+        self._send_hidden = self._send_tokens[:, meta : meta + c.token_bytes].view(c.dtype)
         self._recv_meta = self._recv_tokens[:, :meta].view(torch.int32)
         self._recv_hidden = self._recv_tokens[:, meta : meta + c.token_bytes].view(c.dtype)
-        # pinned host staging for the index arrays the GPU needs: a copy from pageable memory
-        # waits for the stream (a sync per copy), one from pinned memory is queued behind it
+        # pinned host staging for what the GPU needs from the host: a copy from pageable
+        # memory waits for the stream (a sync per copy), one from pinned memory is queued
+        # behind it. "send": a dispatch's tokens to pack and their packed headers (one copy)
         self._staging: dict[str, torch.Tensor] = {}
+        self._staging_np: dict[str, np.ndarray[Any, Any]] = {}
         if dev.type == "cuda":
-            pairs = max(1, c.max_pairs)
-            for name, n, dtype in (
-                ("meta", t * (meta // 4), torch.int32),
-                ("where", 2 * w * t, torch.int64),
-                ("pos", t * k, torch.int64),
-                ("rows", w * t, torch.int64),
-                ("order", pairs, torch.int64),
+            for name, n in (
+                ("send", w * t * (1 + meta // 8)),
+                ("pos", t * k),
+                ("rows", w * t),
+                ("order", max(1, c.max_pairs)),
             ):
-                self._staging[name] = torch.empty(n, dtype=dtype, pin_memory=True)
+                self._staging[name] = torch.empty(n, dtype=torch.int64, pin_memory=True)
+                self._staging_np[name] = self._staging[name].numpy()
         reg = self._register
         self._send_counts_np = self._send_counts.numpy()  # the records are written through this
         self._send_counts_mr = reg(self._send_counts, False)
@@ -201,22 +201,38 @@ class MoeAllToAll:
         self._recv_combine_mr = reg(self._recv_combine, True)
 
     def _to_device(self, array: np.ndarray[Any, Any], slot: str) -> torch.Tensor:
-        """``array`` on the layer's device: through its pinned staging slot on a GPU (one slot
-        per use in a step; every step syncs the stream before the slots are written again)."""
-        host = torch.from_numpy(np.ascontiguousarray(array))
+        """``array`` (int64, 1-D) on the layer's device: through its pinned staging slot on a
+        GPU, written by numpy (one slot per use in a step; every step syncs the stream before
+        the slots are written again)."""
         staging = self._staging.get(slot)
         if staging is None:
-            return host
-        view = staging[: host.numel()].view(host.shape)
-        view.copy_(host)
-        return view.to(self._send_tokens.device, non_blocking=True)
+            return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
+        n = array.size
+        self._staging_np[slot][:n] = array
+        return staging[:n].to(self._send_tokens.device, non_blocking=True)
+
+    def _upload_records(
+        self, tok: np.ndarray[Any, Any], meta: np.ndarray[Any, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A dispatch's tokens to pack (int64 ``[N]``) and their packed headers (int32
+        ``[N, meta_bytes / 4]``) on the layer's device: on a GPU in one copy from the pinned
+        "send" slot (the headers ride as int64 words)."""
+        staging = self._staging.get("send")
+        if staging is None:
+            return torch.from_numpy(tok.astype(np.int64)), torch.from_numpy(meta)
+        n, words = tok.size, meta.size // 2
+        buf = self._staging_np["send"]
+        buf[:n] = tok
+        buf[n : n + words] = meta.view(np.int64).reshape(-1)
+        dev = staging[: n + words].to(self._send_tokens.device, non_blocking=True)
+        return dev[:n], dev[n:].view(torch.int32).view(n, meta.shape[1])
 
     def _buffers_ready(self) -> None:
         """GPU buffers: what the current stream queued into them must be done before the
         transport reads them (a NIC, or a CUDA IPC copy on the engine's own stream, waits for
         no stream of ours). Host buffers: nothing to wait for."""
-        if self._send_records.is_cuda:
-            torch.cuda.current_stream(self._send_records.device).synchronize()
+        if self._send_tokens.is_cuda:
+            torch.cuda.current_stream(self._send_tokens.device).synchronize()
 
     def _register(self, tensor: torch.Tensor, writable: bool) -> MemoryRegion:
         region = self.engine.register(tensor, writable=writable)
@@ -498,7 +514,6 @@ class MoeAllToAll:
             deadline = self._deadline(None)
             self._committed = True  # from here on, buffers change and writes go out
             self._drain(self._dispatch_xfers, deadline)
-            t = int(x.shape[0])
             mask_t, pair_rank_t = destinations(c, idx)
             # the host's index work in numpy (views of the CPU tensors): a few microseconds an
             # operation where torch takes ten or more, and a decode step is mostly such operations
@@ -527,22 +542,22 @@ class MoeAllToAll:
                     group=self._group,
                 )
             )
-            # records: int32 header (token, K expert ids) built on the host, then the hidden
-            # state; packed per destination: q's tokens, ascending, at slots [q * T_max,
-            # q * T_max + n_q) (on a GPU: one copy of the headers and of the indices, then
-            # three kernels), so each destination takes one write
-            meta = np.zeros((t, c.meta_bytes // 4), dtype=np.int32)
-            meta[:, 0] = np.arange(t, dtype=np.int32)
-            meta[:, 1 : 1 + c.top_k] = idx.numpy()
-            self._send_meta[:t].copy_(self._to_device(meta, "meta"))
-            self._send_hidden[:t].copy_(x)
-            tmax = c.max_tokens
-            q_of, tok = np.nonzero(mask.T)  # (q, token), q-major
-            if q_of.size:
-                first = np.cumsum(per_rank) - per_rank
-                slot = q_of * tmax + np.arange(q_of.size) - first[q_of]
-                where = self._to_device(np.stack([slot, tok]), "where")
-                self._send_tokens.index_copy_(0, where[0], self._send_records.index_select(0, where[1]))
+            # records, packed by destination rank: rank q's tokens, ascending, at rows
+            # [first[q], first[q] + n_q) of the send buffer. The headers (int32 source token,
+            # K expert ids) are built and packed on the host; on a GPU they travel with the
+            # list of tokens to pack in one copy, then two kernels place them and gather the
+            # hidden states (a host-bound decode step pays per call, not per byte)
+            first = np.cumsum(per_rank) - per_rank
+            _q_of, tok = np.nonzero(mask.T)  # (q, token), q-major
+            if tok.size:
+                meta = np.zeros((tok.size, c.meta_bytes // 4), dtype=np.int32)
+                meta[:, 0] = tok
+                meta[:, 1 : 1 + c.top_k] = idx.numpy()[tok]
+                tok_dev, meta_dev = self._upload_records(tok, meta)
+                n_all = int(tok.size)
+                self._send_meta[:n_all].copy_(meta_dev)
+                src = x if x.device == tok_dev.device else x.to(tok_dev.device)
+                self._send_hidden[:n_all].copy_(src.index_select(0, tok_dev))
             self._buffers_ready()
             imm = moe_imm(self.layer, self._step, Phase.DISPATCH, me)
             for q, p in enumerate(self._peers):
@@ -552,17 +567,17 @@ class MoeAllToAll:
                 xfers.append(
                     eng.submit_write(
                         self._send_tokens_mr,
-                        q * tmax * rec,
+                        int(first[q]) * rec,
                         n * rec,
                         p.tokens,
-                        me * tmax * rec,
+                        me * c.max_tokens * rec,
                         imm=imm,
                         routing=Sharded(),
                     )
                 )
             # where the combine brings back each (t, k) slot: worked out now, while the tokens
-            # are on their way (after a wait the same work ran a third slower on an H200 host)
-            self._pos = self._to_device(combine_positions(c, idx)[0].reshape(-1).numpy(), "pos")
+            # are on their way
+            self._pos = self._to_device(combine_positions(c, idx)[0].numpy().reshape(-1), "pos")
             self._state = _DISPATCHED
 
     def dispatch_recv(self, timeout: float | None = None) -> DispatchResult:
@@ -575,7 +590,7 @@ class MoeAllToAll:
             self._raise_failed_sends(self._dispatch_xfers)
             w, tmax = c.world_size, c.max_tokens
             self._wait_all(Phase.COUNTS, list(enumerate(self._count_imms)), deadline, "token counts")
-            counts = self._recv_counts.clone()
+            counts = self._recv_counts.numpy().copy()
             records = counts.tolist()
             for r, (n_r, step_r, _first, _rows) in enumerate(records):
                 if step_r != self._step:
@@ -585,22 +600,24 @@ class MoeAllToAll:
                     )
                 if not 0 <= n_r <= tmax:
                     raise MoeProtocolError(f"rank {r} announced {n_r} tokens (max_tokens {tmax})")
-            n = counts[:, 0]
+            n_np = counts[:, 0].copy()
             wants = [
                 (r, self._payload_imms(Phase.DISPATCH, r, rec[0])) for r, rec in enumerate(records) if rec[0]
             ]
             self._wait_all(Phase.DISPATCH, wants, deadline, "tokens")
             self._settle(self._dispatch_xfers, deadline)
-            n_np = n.numpy()
             src_np = np.repeat(np.arange(w, dtype=np.int64), n_np)
             rows_np = src_np * tmax + (np.arange(src_np.size) - (np.cumsum(n_np) - n_np)[src_np])
-            src_rank, rows = torch.from_numpy(src_np), torch.from_numpy(rows_np)
-            meta = self._recv_meta.index_select(0, self._to_device(rows_np, "rows")).to("cpu", torch.int64)
-            src_token, ids = meta[:, 0], meta[:, 1 : 1 + c.top_k]
-            self._check_records(src_rank, src_token, ids)
-            result = group_received(c, c.rank, src_rank, src_token, ids, self._recv_hidden, rows, n)
+            meta = self._received_headers(rows_np)
+            src_token, ids = meta[:, 0].astype(np.int64), meta[:, 1 : 1 + c.top_k].astype(np.int64)
+            self._check_records(src_token, ids)
+            result = group_received(
+                c, c.rank, torch.from_numpy(src_np), torch.from_numpy(src_token), torch.from_numpy(ids),
+                self._recv_hidden, torch.from_numpy(rows_np), torch.from_numpy(n_np),
+            )  # fmt: skip
             # the combine's plan: the rows of each origin, packed, to the rows it announced
-            rows_to = torch.bincount(result.src_rank, minlength=w).tolist()
+            src_rank = result.src_rank.numpy()
+            rows_to = np.bincount(src_rank, minlength=w).tolist()
             for r, (_n, _step, first_row, announced) in enumerate(records):
                 if announced != rows_to[r]:
                     raise MoeProtocolError(
@@ -610,19 +627,28 @@ class MoeAllToAll:
                 if first_row < 0 or first_row + rows_to[r] > tmax * c.top_k:
                     raise MoeProtocolError(f"rank {r} announced combine rows outside its buffer")
             self._rows = result.num_rows
-            self._row_order = torch.from_numpy(np.argsort(result.src_rank.numpy(), kind="stable"))
+            self._row_order = np.argsort(src_rank, kind="stable")
             self._rows_to, self._rows_at = rows_to, [rec[2] for rec in records]
             self._raise_failed_sends(self._dispatch_xfers)
             self._state = _RECEIVED
             return result
 
-    def _check_records(self, src_rank: torch.Tensor, src_token: torch.Tensor, ids: torch.Tensor) -> None:
+    def _received_headers(self, rows: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        """The int32 headers of the received records at ``rows`` (``[N, meta_bytes / 4]``),
+        on the host. From a GPU: one gather there, one copy back (the stream is synced)."""
+        headers: np.ndarray[Any, Any]
+        if not self._recv_meta.is_cuda:
+            headers = self._recv_meta.numpy()[rows]
+        else:
+            headers = self._recv_meta.index_select(0, self._to_device(rows, "rows")).cpu().numpy()
+        return headers
+
+    def _check_records(self, token: np.ndarray[Any, Any], expert: np.ndarray[Any, Any]) -> None:
         """What the records received claim, checked before anything is grouped by it (in
         numpy: a few small array operations, each a fraction of a torch call's cost)."""
         c = self.config
-        if not src_rank.numel():
+        if not token.size:
             return
-        token, expert = src_token.numpy(), ids.numpy()
         if token.min() < 0 or token.max() >= c.max_tokens:
             raise MoeProtocolError("a received token names a source index outside [0, max_tokens)")
         if expert.min() < -1 or expert.max() >= c.num_experts:
@@ -653,7 +679,7 @@ class MoeAllToAll:
             if self._rows:
                 # pack by origin rank (inside each origin: expert id, then token, the order the
                 # origin's combine_positions expects); on a GPU, one gather kernel
-                order = self._to_device(self._row_order.numpy(), "order")
+                order = self._to_device(self._row_order, "order")
                 packed = self._send_combine[: self._rows]
                 if y.data_ptr() == self._send_combine.data_ptr():  # filled in place: copy first
                     packed.copy_(y.index_select(0, order))

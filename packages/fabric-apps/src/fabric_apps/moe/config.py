@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from fabric_core.errors import ConfigError
@@ -63,6 +64,10 @@ class MoeConfig:
     placement: tuple[int, ...] | None = None
     device: str = "cpu"
     _owner: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    # the same placement as a read-only numpy table, made once: the per-step index work of
+    # dispatch and combine looks experts up in it (a torch tensor built from the tuple per
+    # call cost more than the lookup)
+    _owner_np: np.ndarray[Any, np.dtype[np.int64]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         w = _positive("world_size", self.world_size)
@@ -98,6 +103,9 @@ class MoeConfig:
                     raise ConfigError(f"placement[{x}] must be a rank in [0, {w}), got {r!r}")
             object.__setattr__(self, "placement", owner)
         object.__setattr__(self, "_owner", owner)
+        table = np.array(owner, dtype=np.int64)
+        table.flags.writeable = False
+        object.__setattr__(self, "_owner_np", table)
 
     # --- placement ----------------------------------------------------------------
     @property
@@ -118,8 +126,13 @@ class MoeConfig:
         return len(self.local_experts(rank))
 
     def rank_table(self) -> torch.Tensor:
-        """int64 ``[E]``: the owning rank of each expert."""
+        """int64 ``[E]``: the owning rank of each expert (a new tensor)."""
         return torch.tensor(self._owner, dtype=torch.int64)
+
+    def owner_array(self) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """int64 ``[E]``: the owning rank of each expert, as a read-only numpy array (the same
+        array every call)."""
+        return self._owner_np
 
     def for_rank(self, rank: int) -> MoeConfig:
         """The same layer seen from ``rank``."""
