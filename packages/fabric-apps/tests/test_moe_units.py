@@ -8,6 +8,7 @@ import itertools
 import json
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from moeworld import assert_same_dispatch, assert_same_output, bits, expert_fn, random_inputs
@@ -26,6 +27,7 @@ from fabric_apps.moe import (
     reference_moe,
     weighted_sum,
 )
+from fabric_apps.moe._routing import local_index_table
 from fabric_core import ConfigError
 from fabric_core.models import DomainAddress, MemoryRegionDescriptor, NicKey
 
@@ -57,6 +59,18 @@ def test_explicit_placement() -> None:
     lonely = _config(placement=(0,) * 8, top_k=3)
     assert lonely.num_local_experts(1) == 0 and lonely.for_rank(1).max_pairs == 0
     assert lonely.for_rank(0).max_pairs == 4 * 4 * 3
+
+
+def test_the_owner_table_is_the_placement_read_only_and_shared() -> None:
+    c = _config(placement=(3, 3, 0, 1, 0, 1, 2, 2))
+    table = c.owner_array()
+    assert table.dtype == np.int64 and table.tolist() == [3, 3, 0, 1, 0, 1, 2, 2]
+    assert table is c.owner_array() and torch.equal(torch.from_numpy(table.copy()), c.rank_table())
+    with pytest.raises(ValueError):
+        table[0] = 1  # the routing of every step reads it: nobody may change it
+    assert c.for_rank(2).owner_array().tolist() == table.tolist()
+    assert local_index_table(c, 1).tolist() == [-1, -1, -1, 0, -1, 1, -1, -1]
+    assert local_index_table(_config(placement=(0,) * 8, top_k=3), 1).tolist() == [-1] * 8
 
 
 @pytest.mark.parametrize(
