@@ -86,17 +86,19 @@ def destinations(config: MoeConfig, idx: torch.Tensor) -> tuple[torch.Tensor, to
     return torch.from_numpy(mask), torch.from_numpy(pair_rank)
 
 
-def _local_index(config: MoeConfig, rank: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+def _local_index(config: MoeConfig, rank: int) -> tuple[np.ndarray[Any, np.dtype[np.int64]], tuple[int, ...]]:
+    """(position of each expert among ``rank``'s local experts, -1 elsewhere; those experts'
+    global ids, ascending), both from the owner table."""
     owner = config.owner_array()
+    mine = np.flatnonzero(owner == rank)
     table = np.full(owner.shape, -1, dtype=np.int64)
-    mine = owner == rank
-    table[mine] = np.arange(int(mine.sum()), dtype=np.int64)
-    return table
+    table[mine] = np.arange(mine.size, dtype=np.int64)
+    return table, tuple(mine.tolist())
 
 
 def local_index_table(config: MoeConfig, rank: int) -> torch.Tensor:
     """int64 ``[E]``: position of each expert among ``rank``'s local experts, -1 elsewhere."""
-    return torch.from_numpy(_local_index(config, rank))
+    return torch.from_numpy(_local_index(config, rank)[0])
 
 
 def group_received(
@@ -117,22 +119,21 @@ def group_received(
     token, k) order inside each expert. The index tensors are CPU int64; ``hidden`` may live
     on a GPU (one gather runs there).
     """
-    local = _local_index(config, rank)
+    local, experts = _local_index(config, rank)
     e = ids.numpy()
     li = np.where(e >= 0, local[np.maximum(e, 0)], -1)
     m, k = np.nonzero(li >= 0)  # row-major: (record, k) ascending
     le = li[m, k]
     order = np.argsort(le, kind="stable")
     m, k, le = m[order], k[order], le[order]
-    experts = config.local_experts(rank)
     picked = torch.from_numpy(rows.numpy()[m])
     return DispatchResult(
         tokens=hidden.index_select(0, picked.to(hidden.device)),  # the records may live on a GPU
-        expert_counts=torch.from_numpy(np.bincount(le, minlength=len(experts)).astype(np.int64)),
+        expert_counts=torch.from_numpy(np.bincount(le, minlength=len(experts)).astype(np.int64, copy=False)),
         experts=experts,
         src_rank=torch.from_numpy(src_rank.numpy()[m]),
         src_token=torch.from_numpy(src_token.numpy()[m]),
-        src_k=torch.from_numpy(k.astype(np.int64)),
+        src_k=torch.from_numpy(k.astype(np.int64, copy=False)),
         tokens_per_source=tokens_per_source,
     )
 
@@ -151,7 +152,7 @@ def combine_positions(config: MoeConfig, idx: torch.Tensor) -> tuple[torch.Tenso
     order = valid[np.argsort(owner * config.num_experts + experts, kind="stable")]
     pos = np.zeros(flat.size, dtype=np.int64)
     pos[order] = np.arange(order.size, dtype=np.int64)
-    pairs = np.bincount(owner, minlength=config.world_size).astype(np.int64)
+    pairs = np.bincount(owner, minlength=config.world_size).astype(np.int64, copy=False)
     return torch.from_numpy(pos).view(idx.shape), torch.from_numpy(pairs)
 
 
