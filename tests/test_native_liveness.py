@@ -19,7 +19,9 @@ a peer's GPU memory) are neither held by it nor take from it. Case 12: a write t
 fails without a reason (as tcp does over a refused key) is held while the target is asked
 what it registered under the key: a refusal becomes kRemoteAccess saying why, a write the
 target would have taken fails as it did, a target that cannot answer costs 1 s, and the
-engine's dump lists the question while it is out.
+engine's dump lists the question while it is out. Case 13: a paged request as list ops (the
+CUDA IPC domain's form) lands every page, counts one imm per page, fails whole on a refused
+page, and is reordered under chaos.
 (``nox -s sanitize`` runs it under ThreadSanitizer too.)
 """
 
@@ -62,6 +64,10 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("10", "10 of 10 posted while held, then 2 of 3 counted ones"),
         ("11", "3 counted to an engine of this process, 3 after 2 more to one of another, 0 once reported"),
         ("12", "access: the dump showed the question out (key 77, 1 write held"),
+        (
+            "13",
+            "lists: status 0, 300 imms counted yes, bytes landed, 300 work requests of 4800 bytes, 2 posts",
+        ),
     ],
 )
 def test_liveness_probes_answer_late_and_fail_only_the_gone(program: Path, case: str, says: str) -> None:

@@ -135,6 +135,43 @@ class FakeNic {
         return 0;
     }
 
+    // A list of ``n`` page writes (engine.hpp's post_write_list, for a key list_rkey names):
+    // every page is checked first and a refusal fails them all (nothing lands); the pages land
+    // in the order given (list_order() records their destinations, list after list), their imms arrive as one
+    // count (on_imms), and the list is reported once.
+    int post_write_list(const fabric::WriteOp& w, const uint64_t* src, const uint64_t* dst, size_t n, void* ctx) {
+        std::string to = peer_address(w.peer);
+        if (to.empty()) return -EHOSTUNREACH;
+        lists_posted.fetch_add(1);
+        bool landed = false, access = false;
+        {
+            std::lock_guard<std::mutex> reg(fabric_.mu);
+            auto it = fabric_.nics.find(to);
+            if (it != fabric_.nics.end()) {
+                landed = true;
+                access = !it->second->deliver_list(w, src, dst, n, address_);
+            }
+        }
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            list_order_.insert(list_order_.end(), dst, dst + n);
+        }
+        if (!landed) {
+            push({Event::kError, ctx, 0, 0, 0, fabric::kPeerUnreachable, "peer gone"});
+        } else if (access) {
+            push({Event::kError, ctx, 0, 0, 0, fabric::kRemoteAccess, "a page out of the registered region"});
+        } else {
+            writes_.fetch_add(n, std::memory_order_relaxed);
+            push({Event::kWriteDone, ctx, 0, 0, 0, 0, {}, to});
+        }
+        return 0;
+    }
+    bool takes_lists(uint64_t rkey) const { return rkey != 0 && rkey == list_rkey.load(); }
+    std::vector<uint64_t> list_order() {
+        std::lock_guard<std::mutex> lock(mu_);
+        return list_order_;
+    }
+
     // Reports the writes held while hold_write_done was set; returns how many.
     size_t release_writes() {
         std::lock_guard<std::mutex> lock(mu_);
@@ -211,7 +248,13 @@ class FakeNic {
                     break;
                 case Event::kSendDone: sink.on_send_done(e.ctx); break;
                 case Event::kRecv: sink.on_recv(e.ctx, e.len); break;
-                case Event::kImm: sink.on_imm(e.imm, e.src); break;
+                case Event::kImm:
+                    if (e.len > 1) {
+                        sink.on_imms(e.imm, e.src, static_cast<uint32_t>(e.len));
+                    } else {
+                        sink.on_imm(e.imm, e.src);
+                    }
+                    break;
                 case Event::kError: sink.on_error(e.ctx, e.status, e.message); break;
             }
         }
@@ -272,6 +315,27 @@ class FakeNic {
         return true;
     }
 
+    // The target side of a list (as above): all pages or none.
+    bool deliver_list(const fabric::WriteOp& w, const uint64_t* src, const uint64_t* dst, size_t n,
+                      const std::string& from) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (w.rkey == 0 || w.rkey > regions_.size()) return false;
+        const Region& r = regions_[w.rkey - 1];
+        for (size_t i = 0; i < n; i++) {
+            uint64_t at = w.raddr + dst[i];
+            if (at < r.base || at + w.len > r.base + r.len) return false;
+        }
+        for (size_t i = 0; i < n; i++)
+            std::memcpy(reinterpret_cast<void*>(w.raddr + dst[i]), reinterpret_cast<const void*>(src[i]), w.len);
+        if (w.has_imm) {
+            uint64_t s = fabric::kNoSource;
+            for (size_t i = 0; i < peers_.size(); i++)
+                if (peers_[i] == from) s = i;
+            events_.push_back({Event::kImm, nullptr, n, w.imm, s, 0, {}});
+        }
+        return true;
+    }
+
     void deliver_send(std::string m) {
         std::lock_guard<std::mutex> lock(mu_);
         if (recvs_.empty()) {
@@ -301,6 +365,7 @@ class FakeNic {
     std::deque<Recv> recvs_;
     std::deque<std::string> unexpected_;
     std::atomic<uint64_t> writes_{0};
+    std::vector<uint64_t> list_order_;  // the lists' destinations, as posted (under mu_)
 
   public:
     std::atomic<int> refuse_sends{0};  // the next N sends answer -EAGAIN
@@ -319,6 +384,8 @@ class FakeNic {
     // writes with this key do not count towards the engine's queue depth (as the CUDA IPC
     // domain's copies into a peer's GPU memory do not); 0: every write counts
     std::atomic<uint64_t> uncapped_rkey{0};
+    std::atomic<uint64_t> list_rkey{0};  // a paged request to this key may come as lists (0: none)
+    std::atomic<uint64_t> lists_posted{0};
     bool counts_toward_queue_depth(const fabric::WriteOp& w) const { return w.rkey != uncapped_rkey.load(); }
     // posts (writes, sends) to an address in fabric::ClosedSet: an endpoint of this process
     // that was closed, whose memory a real shm post would touch after it was freed (SIGSEGV)

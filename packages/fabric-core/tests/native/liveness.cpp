@@ -69,6 +69,11 @@
 //    write, a range outside the region: kRemoteAccess, saying which. A write A would have
 //    taken (its connection went): the failure it was. A whose answers cannot leave: the
 //    failure it was, after the check's 1 s. No byte of the refused writes lands.
+// 13. A paged request as list ops (OpCtx::pages: the form the fast path plans for a domain
+//    that takes lists, the CUDA IPC domain): every page lands, the target counts one imm per
+//    page (one on_imms), the statistics count pages, not lists; a list with a page outside
+//    the region fails whole with nothing of it landed; under chaos a list's pages are posted
+//    in another order.
 #include <fabric/counters.hpp>
 #include <fabric/engine.hpp>
 
@@ -620,6 +625,127 @@ void a_peer_closed_with_writes_waiting_for_it() {
     CHECK(ok <= 2 && ok + unreachable == 10 && send_failed);
 }
 
+// A paged request as list ops (OpCtx::pages), as the fast path plans one for a domain that
+// takes lists (the CUDA IPC domain): 300 pages of 16 bytes in two lists, scattered at the
+// target. Every page lands, the target counts 300 imms, the writer's statistics count 300
+// work requests and their bytes, and the NIC saw two posts. A list with one page outside the
+// region fails whole (kRemoteAccess) with nothing landed or counted. Under chaos the pages
+// of a list are posted in another order, and still all land.
+void paged_requests_as_lists() {
+    Pair p;
+    constexpr uint32_t kPages = 300, kLen = 16, kSlots = 512;
+    std::vector<unsigned char> region(kSlots * kLen, 0), source(kPages * kLen);
+    for (size_t i = 0; i < source.size(); i++) source[i] = static_cast<unsigned char>(i * 7 + 1);
+    auto to = std::make_shared<fabric::Target>();
+    to->addresses.push_back(p.a->nic(0).address());
+    to->rkeys.push_back(p.a->nic(0).register_remote(region.data(), region.size()));
+    to->remote_base = reinterpret_cast<uint64_t>(region.data());
+    auto& nic = p.b->nic(0);
+    CHECK(!p.b->takes_lists(to->rkeys[0]));
+    nic.list_rkey = to->rkeys[0];
+    CHECK(p.b->takes_lists(to->rkeys[0]) && !p.b->takes_lists(to->rkeys[0] + 1));
+    std::vector<uint32_t> slot(kPages);  // page i goes to slot (i * 211) % 512: scattered, distinct
+    for (uint32_t i = 0; i < kPages; i++) slot[i] = (i * 211) % kSlots;
+    auto list_request = [&](uint32_t imm, uint32_t bad_page, std::shared_ptr<fabric::Target> target = nullptr) {
+        auto req = std::make_unique<fabric::Request>();
+        req->id = p.next_id++;
+        req->has_imm = true;
+        req->imm = imm;
+        req->src_desc = std::make_shared<const std::vector<void*>>(1, nullptr);
+        req->targets.push_back(target ? target : to);
+        for (uint32_t i = 0; i < kPages; i++) {
+            req->list_src.push_back(reinterpret_cast<uint64_t>(source.data()) + i * kLen);
+            req->list_dst.push_back(i == bad_page ? region.size() : uint64_t(slot[i]) * kLen);
+        }
+        for (uint32_t first : {0u, 200u}) {
+            fabric::OpCtx& op = req->ops.emplace_back();
+            op.len = kLen;
+            op.first_page = first;
+            op.pages = first == 0 ? 200 : kPages - 200;
+            req->list_extra += op.pages - 1;
+        }
+        CHECK(req->wrs() == kPages);
+        return req;
+    };
+    auto outcome = [&](FakeEngine& e, uint64_t id) {
+        for (int i = 0; i < 500; i++)
+            for (auto& c : e.wait_batch(0.01).done)
+                if (c.id == id) {
+                    if (c.status != fabric::kOk) std::printf("lists: request %llu: %s\n", (unsigned long long)id, c.message.c_str());
+                    return c.status;
+                }
+        return -1;
+    };
+    fabric::EngineStats before = p.b->stats();
+    uint64_t posts = nic.lists_posted.load();
+    auto req = list_request(600, kPages);
+    uint64_t id = req->id;
+    p.b->submit(std::move(req));
+    int status = outcome(*p.b, id);
+    auto w = std::make_shared<CounterTable::Waiter>();
+    w->n = kPages;
+    int rc = p.counters->enqueue(600, w);
+    if (rc == fabric::kCountQueued) rc = p.counters->block(w, Clock::now() + std::chrono::seconds(5));
+    bool bytes_ok = true;
+    for (uint32_t i = 0; i < kPages; i++)
+        bytes_ok &= std::memcmp(region.data() + slot[i] * kLen, source.data() + i * kLen, kLen) == 0;
+    fabric::EngineStats after = p.b->stats();
+    uint64_t wrs = after.completed_wrs - before.completed_wrs, bytes = after.bytes_written - before.bytes_written;
+    std::printf("lists: status %d, %u imms counted %s, bytes %s, %llu work requests of %llu bytes, %llu posts\n",
+                status, kPages, rc == fabric::kCountOk ? "yes" : "no", bytes_ok ? "landed" : "wrong",
+                static_cast<unsigned long long>(wrs), static_cast<unsigned long long>(bytes),
+                static_cast<unsigned long long>(nic.lists_posted.load() - posts));
+    CHECK(status == fabric::kOk && rc == fabric::kCountOk && bytes_ok);
+    CHECK(wrs == kPages && bytes == kPages * kLen && nic.lists_posted.load() - posts == 2);
+    CHECK(p.b->nic_traffic()[0].wrs == after.completed_wrs);
+
+    // one page outside the region: its list fails whole, the other list lands
+    std::fill(region.begin(), region.end(), 0);
+    req = list_request(601, 7);
+    id = req->id;
+    p.b->submit(std::move(req));
+    status = outcome(*p.b, id);
+    size_t landed = 0;
+    for (uint32_t i = 0; i < kPages; i++)
+        landed += std::memcmp(region.data() + slot[i] * kLen, source.data() + i * kLen, kLen) == 0;
+    auto none = std::make_shared<CounterTable::Waiter>();
+    none->n = kPages - 200 + 1;  // more than the landed list's
+    rc = p.counters->enqueue(601, none);
+    if (rc == fabric::kCountQueued) rc = p.counters->block(none, Clock::now() + std::chrono::milliseconds(200));
+    std::printf("lists: a page out of range: status %d, %zu pages landed, wait for %u imms %d\n", status, landed,
+                kPages - 200 + 1, rc);
+    CHECK(status == fabric::kRemoteAccess && landed == kPages - 200 && rc != fabric::kCountOk);
+
+    // chaos: a list's pages in another order
+    auto d = fabric_test::open_engine(p.fabric, "d", 1, std::make_shared<CounterTable>(), true);
+    d->nic(0).list_rkey = to->rkeys[0];
+    std::fill(region.begin(), region.end(), 0);
+    auto to_d = std::make_shared<fabric::Target>();  // (a Target caches one engine's peer handles)
+    to_d->addresses = to->addresses;
+    to_d->rkeys = to->rkeys;
+    to_d->remote_base = to->remote_base;
+    req = list_request(602, kPages, to_d);
+    std::vector<uint64_t> planned(req->list_dst.begin(), req->list_dst.begin() + 200);
+    id = req->id;
+    d->submit(std::move(req));
+    status = outcome(*d, id);
+    bool all = true;
+    for (uint32_t i = 0; i < kPages; i++)
+        all &= std::memcmp(region.data() + slot[i] * kLen, source.data() + i * kLen, kLen) == 0;
+    std::vector<uint64_t> seen = d->nic(0).list_order();  // as posted, against both plan orders
+    std::vector<uint64_t> second(planned.end(), planned.end()), first_second, second_first;
+    for (uint32_t i = 200; i < kPages; i++) second.push_back(uint64_t(slot[i]) * kLen);
+    first_second = planned;
+    first_second.insert(first_second.end(), second.begin(), second.end());
+    second_first = second;
+    second_first.insert(second_first.end(), planned.begin(), planned.end());
+    bool reordered = seen.size() == kPages && seen != first_second && seen != second_first;
+    std::printf("lists under chaos: status %d, pages %s, posted in another order %s\n", status,
+                all ? "landed" : "wrong", reordered ? "yes" : "no");
+    CHECK(status == fabric::kOk && all && reordered);
+    CHECK(d->close(1.0));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -636,6 +762,7 @@ int main(int argc, char** argv) {
     if (only.empty() || only == "10") writes_the_domain_leaves_out_of_the_queue_depth();
     if (only.empty() || only == "11") writes_counted_only_to_engines_of_this_process();
     if (only.empty() || only == "12") access_checks_say_why_a_write_failed();
+    if (only.empty() || only == "13") paged_requests_as_lists();
     std::printf("liveness: ok\n");
     return 0;
 }

@@ -323,31 +323,17 @@ class CudaIpcDomain : public Inner {
             later(ctx, status, why);
             return 0;
         }
-        auto from = reinterpret_cast<cuda::CUdeviceptr>(w.src);
         Copy copy{ctx, w.peer, p.doorbell_addr, p.doorbell_key, w.imm, w.has_imm,
-                  p.same_process ? 0 : int(p.table->pid)};
-        if (kernel_fn_ && direct && src && src->slot >= 0 && src->local && w.len < kernel_max_) {
-            for (uint64_t off = 0; off < w.len; off += kSegBytes) {  // the next poll launches
-                uint64_t n = std::min(kSegBytes, w.len - off);
-                pending_.push_back(Pending{Seg{uint64_t(from) + off, dst + off, n}, copy, off + n == w.len});
-            }
+                  p.same_process ? 0 : int(p.table->pid), 1};
+        if (by_kernel(src, direct, w.len)) {
+            queue_segments(uint64_t(reinterpret_cast<uintptr_t>(w.src)), dst, w.len, copy, true);
             busy_++;
             return 0;
         }
-        const cuda::Driver& d = cuda::Driver::get();
         ContextScope scope(ctx_);
-        int rc;
-        // typed copies where both ends are this device's (or host memory); the generic one,
-        // which finds each end's device by its address, where either end is another GPU's
-        if (src && src->slot >= 0 && src->local && direct && d.memcpy_dtod_async) {
-            rc = d.memcpy_dtod_async(dst, from, w.len, stream_);
-        } else if (src && src->slot < 0 && direct && d.memcpy_htod_async) {
-            rc = d.memcpy_htod_async(dst, w.src, w.len, stream_);
-        } else {
-            rc = d.memcpy_async(dst, from, w.len, stream_);
-        }
+        int rc = copy_now(src, direct, dst, w.src, w.len);
         if (rc != 0) {
-            later(ctx, kTransport, "CUDA IPC: cuMemcpyAsync: " + d.error(rc));
+            later(ctx, kTransport, "CUDA IPC: cuMemcpyAsync: " + cuda::Driver::get().error(rc));
             return 0;
         }
         // No event per copy: the next poll records one for every copy queued since (one
@@ -358,9 +344,76 @@ class CudaIpcDomain : public Inner {
         return 0;
     }
 
+    // Whether a paged request to ``rkey`` may come as lists (post_write_list): every write to
+    // the peer's CUDA memory.
+    bool takes_lists(uint64_t rkey) const { return ipc_ && (rkey & kIpcKeyBit); }
+
+    // ``n`` writes of ``w.len`` bytes, from ``srcs[i]`` to ``w.raddr + dsts[i]``, each carrying
+    // ``w``'s imm, as one work request: every page is checked first (a refusal fails them all,
+    // and nothing is copied), then copied as post_write copies it, and ``ctx`` is reported
+    // once, after the last copy has completed and the n imms have been delivered (in one
+    // inbox record where the peer has a lane).
+    int post_write_list(const WriteOp& w, const uint64_t* srcs, const uint64_t* dsts, size_t n, void* ctx) {
+        if (!ipc_ || !(w.rkey & kIpcKeyBit) || n == 0 || n > 0xffffffffu) {
+            later(ctx, kRemoteAccess, "CUDA IPC: a list of writes goes only to the peer's CUDA memory");
+            return 0;
+        }
+        const Region* src = static_cast<const Region*>(w.desc);
+        auto it = peers_.find(w.peer);
+        if (it == peers_.end()) {
+            later(ctx, kRemoteAccess, "CUDA IPC: this key names CUDA memory, and the peer's address has no CUDA IPC");
+            return 0;
+        }
+        Peer& p = it->second;
+        int32_t status = kOk;
+        std::string why;
+        if (!((p.table || map(p, status, why)) && alive(p, status, why))) {
+            later(ctx, status, why);
+            return 0;
+        }
+        const typename Peer::Cached* c = cached_of(p, w.rkey, status, why);
+        if (c == nullptr) {
+            later(ctx, status, why);
+            return 0;
+        }
+        std::vector<uint64_t>& at = list_dst_;
+        at.resize(n);
+        for (size_t i = 0; i < n; i++) {
+            if (!place(*c, w.raddr + dsts[i], w.len, at[i], status, why)) {
+                later(ctx, status, why);
+                return 0;
+            }
+        }
+        Copy copy{ctx, w.peer, p.doorbell_addr, p.doorbell_key, w.imm, w.has_imm,
+                  p.same_process ? 0 : int(p.table->pid), uint32_t(n)};
+        if (by_kernel(src, c->direct, w.len)) {
+            for (size_t i = 0; i < n; i++) queue_segments(srcs[i], at[i], w.len, copy, i + 1 == n);
+            busy_++;
+            return 0;
+        }
+        ContextScope scope(ctx_);
+        for (size_t i = 0; i < n; i++) {
+            int rc = copy_now(src, c->direct, at[i], reinterpret_cast<const void*>(uintptr_t(srcs[i])), w.len);
+            if (rc != 0) {  // (the pages copied before it complete on the stream; nothing waits for them)
+                later(ctx, kTransport, "CUDA IPC: cuMemcpyAsync: " + cuda::Driver::get().error(rc));
+                return 0;
+            }
+        }
+        inflight_.push_back(copy);
+        unmarked_++;
+        busy_++;
+        return 0;
+    }
+
     template <class Sink>
     size_t poll(Sink& sink) {
-        size_t n = Inner::poll(sink);
+        size_t n;
+        if (doorbells_.empty()) {
+            n = Inner::poll(sink);
+        } else {  // a list's doorbell writes are this domain's to count, not the engine's
+            Catch<Sink> catching{this, sink};
+            n = Inner::poll(catching);
+        }
         if (!ipc_) return n;
         if (inbox_.is_open()) n += drain_inbox(sink);
         bool sweep = sweep_due();
@@ -391,7 +444,8 @@ class CudaIpcDomain : public Inner {
         uint64_t peer, doorbell_addr, doorbell_key;
         uint32_t imm;
         bool has_imm;
-        int pid;  // the peer's process (0: this one)
+        int pid;         // the peer's process (0: this one)
+        uint32_t count;  // writes it stands for (a list: its pages), and so imms it delivers
     };
     struct Mark {  // an event recorded after the copies before it
         cuda::CUevent event;  // null: the stream was synchronized instead (no event to be had)
@@ -413,11 +467,116 @@ class CudaIpcDomain : public Inner {
         uint64_t peer, doorbell_addr, doorbell_key;
         uint32_t imm;
     };
+    // A list's imms that no lane took: ``count`` doorbell writes, each posted with this as
+    // its context; the list's ``ctx`` is reported once all of them are (``failed``: the first
+    // failure's status and reason, reported instead).
+    struct Doorbells {
+        void* ctx;
+        uint64_t peer, doorbell_addr, doorbell_key;
+        uint32_t imm;
+        uint32_t unposted, outstanding;
+        int32_t failed = kOk;
+        std::string why;
+    };
     struct Opened {
         cuda::CUdeviceptr base = 0;
         size_t users = 0;
         bool direct = false;  // this domain's device reaches it (its own, or a peer it can access)
     };
+
+    // The inner domain's completions, with those of a list's doorbell writes (Doorbells)
+    // taken out and counted.
+    template <class Sink>
+    struct Catch {
+        CudaIpcDomain* self;
+        Sink& sink;
+        void on_write_done(void* ctx) {
+            if (!self->doorbell_done(ctx, kOk, std::string())) sink.on_write_done(ctx);
+        }
+        void on_error(void* ctx, int32_t status, const std::string& message) {
+            if (!self->doorbell_done(ctx, status, message)) sink.on_error(ctx, status, message);
+        }
+        void on_send_done(void* ctx) { sink.on_send_done(ctx); }
+        void on_recv(void* ctx, size_t len) { sink.on_recv(ctx, len); }
+        void on_imm(uint32_t imm, uint64_t src) { sink.on_imm(imm, src); }
+        void on_imms(uint32_t imm, uint64_t src, uint32_t count) { sink.on_imms(imm, src, count); }
+    };
+
+    // Whether ``ctx`` is one of a list's doorbell writes (then counted: the list is reported
+    // once the last is).
+    bool doorbell_done(void* ctx, int32_t status, const std::string& message) {
+        for (size_t i = 0; i < doorbells_.size(); i++) {
+            Doorbells& g = *doorbells_[i];
+            if (static_cast<void*>(&g) != ctx) continue;
+            g.outstanding--;
+            if (status != kOk && g.failed == kOk) {
+                g.failed = status;
+                g.why = "CUDA IPC: delivering the imm: " + message;
+                g.unposted = 0;  // the rest are not sent
+            }
+            if (g.outstanding == 0 && g.unposted == 0) finish_doorbells(i);
+            return true;
+        }
+        return false;
+    }
+
+    void finish_doorbells(size_t i) {
+        Doorbells& g = *doorbells_[i];
+        later(g.ctx, g.failed, std::move(g.why));
+        busy_--;  // (its own, taken when it was made; later() took one for the report)
+        doorbells_.erase(doorbells_.begin() + std::ptrdiff_t(i));
+    }
+
+    // Posts the lists' doorbell writes not yet posted (a full provider queue: the next poll
+    // goes on).
+    void post_doorbells() {
+        for (size_t i = 0; i < doorbells_.size();) {
+            Doorbells& g = *doorbells_[i];
+            while (g.unposted > 0) {
+                int rc = notify(g.doorbell_addr, g.doorbell_key, g.peer, g.imm, &g);
+                if (rc == -EAGAIN) break;
+                if (rc != 0) {
+                    bool peer = rc == -EHOSTUNREACH || rc == -ECONNREFUSED || rc == -ENOTCONN || rc == -ECONNRESET;
+                    g.failed = peer ? kPeerUnreachable : kTransport;
+                    g.why = "CUDA IPC: delivering the imm: " + std::string(std::strerror(-rc));
+                    g.unposted = 0;
+                    break;
+                }
+                g.unposted--;
+                g.outstanding++;
+            }
+            if (g.unposted == 0 && g.outstanding == 0) {
+                finish_doorbells(i);
+                continue;
+            }
+            i++;
+        }
+    }
+
+    // Whether a copy of ``len`` bytes from ``src`` goes through the copy-list kernel.
+    bool by_kernel(const Region* src, bool direct, uint64_t len) const {
+        return kernel_fn_ && direct && src && src->slot >= 0 && src->local && len < kernel_max_;
+    }
+
+    // A copy for the next poll's launch, in segments; ``last``: its Copy completes with it.
+    void queue_segments(uint64_t from, uint64_t dst, uint64_t len, const Copy& copy, bool last) {
+        for (uint64_t off = 0; off < len; off += kSegBytes) {
+            uint64_t n = std::min(kSegBytes, len - off);
+            pending_.push_back(Pending{Seg{from + off, dst + off, n}, copy, last && off + n == len});
+        }
+    }
+
+    // A copy on this domain's stream now (under ctx_): typed copies where both ends are this
+    // device's (or host memory); the generic one, which finds each end's device by its
+    // address, where either end is another GPU's. The driver's code, 0 if queued.
+    int copy_now(const Region* src, bool direct, uint64_t dst, const void* from, uint64_t len) {
+        const cuda::Driver& d = cuda::Driver::get();
+        auto at = reinterpret_cast<cuda::CUdeviceptr>(from);
+        if (src && src->slot >= 0 && src->local && direct && d.memcpy_dtod_async)
+            return d.memcpy_dtod_async(dst, at, len, stream_);
+        if (src && src->slot < 0 && direct && d.memcpy_htod_async) return d.memcpy_htod_async(dst, from, len, stream_);
+        return d.memcpy_async(dst, at, len, stream_);
+    }
 
     void open_ipc(int device) {
         const cuda::Driver& d = cuda::Driver::get();
@@ -644,12 +803,21 @@ class CudaIpcDomain : public Inner {
     // engine's progress lock).
     bool target_of(Peer& p, uint64_t rkey, uint64_t raddr, uint64_t len, uint64_t& dst, bool& direct,
                    int32_t& status, std::string& why) {
-        if (!p.table && !map(p, status, why)) return false;
+        const typename Peer::Cached* c = cached_of(p, rkey, status, why);
+        if (c == nullptr || !place(*c, raddr, len, dst, status, why)) return false;
+        direct = c->direct;
+        return true;
+    }
+
+    // The peer's region ``rkey`` as this process reaches it (looked up, opened and cached on
+    // first use; dropped once the peer's slot changed); null with the reason where it cannot.
+    const typename Peer::Cached* cached_of(Peer& p, uint64_t rkey, int32_t& status, std::string& why) {
+        if (!p.table && !map(p, status, why)) return nullptr;
         uint32_t slot = uint32_t(rkey & 0xffff);
         if (slot >= kSlots) {
             status = kRemoteAccess;
             why = "CUDA IPC: no such key at the peer";
-            return false;
+            return nullptr;
         }
         const Entry& e = p.table->entries[slot];
         auto it = p.keys.find(rkey);
@@ -676,13 +844,13 @@ class CudaIpcDomain : public Inner {
                 if (tries > 1000) {
                     status = kTransport;
                     why = "CUDA IPC: the peer's table entry never settled";
-                    return false;
+                    return nullptr;
                 }
             }
             if (snap.key != rkey) {
                 status = kRemoteAccess;
                 why = "CUDA IPC: no such key at the peer (deregistered?)";
-                return false;
+                return nullptr;
             }
             typename Peer::Cached c{seq,          snap.va, snap.len, snap.offset, 0, snap.remote_write != 0,
                                     std::string(), true};
@@ -702,7 +870,7 @@ class CudaIpcDomain : public Inner {
                         status = kTransport;
                         why = "CUDA IPC: cuIpcOpenMemHandle: " + d.error(rc) +
                               " (is the peer's GPU visible to this process?)";
-                        return false;
+                        return nullptr;
                     }
                     o.direct = reaches(cuda::device_ordinal(reinterpret_cast<void*>(o.base)));
                 }
@@ -713,7 +881,12 @@ class CudaIpcDomain : public Inner {
             it = p.keys.emplace(rkey, std::move(c)).first;
             cached_.fetch_add(1, std::memory_order_relaxed);
         }
-        const auto& c = it->second;
+        return &it->second;
+    }
+
+    // Where [raddr, raddr+len) of ``c`` is in this process, or the refusal's reason.
+    bool place(const typename Peer::Cached& c, uint64_t raddr, uint64_t len, uint64_t& dst, int32_t& status,
+               std::string& why) const {
         uint64_t off = this->virt_addr() ? raddr - c.va : raddr;
         if ((this->virt_addr() && raddr < c.va) || off > c.len || len > c.len - off) {
             status = kRemoteAccess;
@@ -726,7 +899,6 @@ class CudaIpcDomain : public Inner {
             return false;
         }
         dst = c.base + c.offset + off;
-        direct = c.direct;
         return true;
     }
 
@@ -944,18 +1116,23 @@ class CudaIpcDomain : public Inner {
             {
                 for (size_t i = 0; i < imms.size();) {
                     size_t j = i + 1;
+                    uint64_t total = imms[i].count;
                     while (j < imms.size() && imms[j].peer == imms[i].peer && imms[j].imm == imms[i].imm &&
-                           j - i < 0xffffffffu)
-                        j++;
+                           total + imms[j].count <= 0xffffffffu)
+                        total += imms[j++].count;
                     auto it = peers_.find(imms[i].peer);
                     bool took = it != peers_.end() && it->second.lane &&
-                                it->second.lane->push(imms[i].imm, uint32_t(j - i));
+                                it->second.lane->push(imms[i].imm, uint32_t(total));
                     for (size_t k = i; k < j; k++) {
                         const Copy& c = imms[k];
                         if (took) {
                             delivered.push_back(c.ctx);
-                        } else {
+                        } else if (c.count == 1) {
                             retry.push_back(Notify{c.ctx, c.peer, c.doorbell_addr, c.doorbell_key, c.imm});
+                        } else {  // a list's: its count of doorbell writes, reported as one
+                            doorbells_.push_back(std::make_unique<Doorbells>(Doorbells{
+                                c.ctx, c.peer, c.doorbell_addr, c.doorbell_key, c.imm, c.count, 0, kOk, {}}));
+                            busy_++;
                         }
                     }
                     i = j;
@@ -963,6 +1140,7 @@ class CudaIpcDomain : public Inner {
             }
             for (void* ctx : delivered) sink.on_write_done(ctx);
         }
+        if (!doorbells_.empty()) post_doorbells();
         for (auto& r : retry) {
             int rc = notify(r.doorbell_addr, r.doorbell_key, r.peer, r.imm, r.ctx);
             if (rc == -EAGAIN) {
@@ -1051,7 +1229,7 @@ class CudaIpcDomain : public Inner {
                     auto it = inner_handles_.find(std::string(addr, len));
                     ls = LaneSource{owner, version, it == inner_handles_.end() ? kNoSource : it->second};
                 }
-                for (uint32_t k = 0; k < count; k++) sink.on_imm(imm, ls.source);
+                sink.on_imms(imm, ls.source, count);
             },
             reap);
     }
@@ -1105,6 +1283,8 @@ class CudaIpcDomain : public Inner {
     std::vector<cuda::CUdeviceptr> closing_;
     std::deque<Copy> inflight_;  // in stream order; the first ones covered by marks_
     std::vector<Copy> finished_, imms_;  // poll_ipc's scratch
+    std::vector<uint64_t> list_dst_;     // post_write_list's scratch
+    std::vector<std::unique_ptr<Doorbells>> doorbells_;  // lists' imms going by doorbell
     std::vector<void*> delivered_;
     std::deque<Mark> marks_;
     size_t unmarked_ = 0;        // copies at the back of inflight_ no mark covers yet

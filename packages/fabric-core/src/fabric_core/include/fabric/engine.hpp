@@ -35,8 +35,16 @@
 //   bool stale_peers() const;                            // a connection the peer dropped may
 //                                                        // look alive here until this side
 //                                                        // sends on it (pokes, reset_path)
+// Optionally, lists (OpCtx::pages; the CUDA IPC domain has them):
+//   bool takes_lists(uint64_t rkey) const;               // a paged request to rkey may come
+//                                                        // as lists (asked from any thread)
+//   int post_write_list(const WriteOp& w, const uint64_t* src, const uint64_t* dst, size_t n,
+//                       void* ctx);                       // n writes of w.len bytes, src[i] to
+//                                                        // w.raddr + dst[i], each with w's imm;
+//                                                        // ctx reported once, for all of them
 // Sink callbacks: on_write_done(ctx), on_send_done(ctx), on_recv(ctx, len),
-//                 on_imm(uint32_t imm, uint64_t src), on_error(ctx, status, message);
+//                 on_imm(uint32_t imm, uint64_t src), on_imms(imm, src, count) (count of one
+//                 imm), on_error(ctx, status, message);
 //                 ``src`` is the sender's handle from insert_peer, or kNoSource.
 // The engine calls insert_peer, remove_peer, post_*, and poll under its progress lock, one
 // at a time (from the worker, a helping waiter or an inline submitter): a Domain needs no
@@ -288,7 +296,19 @@ struct OpCtx {
     // touches them): fabric-efa's shm domain keeps the region-table hold the write took there.
     void* domain_word = nullptr;
     size_t domain_index = 0;
+    // A list op (pages > 0): ``pages`` writes of ``len`` bytes each, from the request's
+    // list_src[first_page + i] to list_dst[first_page + i], handed to the domain in one
+    // post_write_list and reported once, as one work request of the engine (see Request). Made
+    // only where the domain takes lists for the target (takes_lists: the CUDA IPC domain's
+    // copies, whose pages one kernel launch moves and whose imms one inbox record counts) and
+    // only on NIC 0, whose work requests are never retried on another NIC one by one.
+    uint32_t pages = 0;
+    uint32_t first_page = 0;
 };
+
+// Work requests an op stands for (a list op: its pages) and the bytes it moves.
+inline uint64_t op_wrs(const OpCtx& op) { return op.pages ? op.pages : 1; }
+inline uint64_t op_bytes(const OpCtx& op) { return op.mode == OpCtx::kImmOnly ? 0 : op.len * op_wrs(op); }
 
 // The bytes-only retries of one reconciliation: the make-up imms go once all have landed.
 struct RetryBatch {
@@ -303,6 +323,11 @@ struct Request {
     std::shared_ptr<const std::vector<void*>> src_desc;  // per NIC; null: no source (imm-only)
     std::vector<std::shared_ptr<Target>> targets;
     std::vector<OpCtx> ops;
+    // The pages of its list ops (OpCtx::pages): source addresses and destination offsets.
+    std::vector<uint64_t> list_src, list_dst;
+    // Work requests it stands for: ops.size(), plus each list op's pages beyond the first.
+    size_t list_extra = 0;
+    size_t wrs() const { return ops.size() + list_extra; }
     // two-sided send: the payload is copied into a registered bounce slot when posted
     std::string payload;
     std::string send_to;
@@ -489,7 +514,7 @@ class Engine {
     }
 
     void submit(std::unique_ptr<Request> req, bool inline_ok = true) {
-        bool small = req->ops.size() <= kInlineOps;
+        bool small = req->wrs() <= kInlineOps;
         queue_.push(std::move(req));
         if (!sleeping_.load(std::memory_order_seq_cst)) return;  // the worker will take it
         if (small && inline_ok) {
@@ -836,14 +861,15 @@ class Engine {
             v.id = id;
             v.age_s = secs(now - r->started);
             v.deadline_in_s = r->deadline == Clock::time_point::max() ? -1.0 : secs(r->deadline - now);
-            v.ops = r->ops.size();
-            v.left = r->left;
+            v.ops = r->wrs();  // work requests (a list op's pages each)
+            v.left = r->list_extra ? 0 : r->left;
             v.unposted = 0;
             v.left_per_nic.assign(nics_.size(), 0);
             for (const OpCtx& op : r->ops) {
                 if (op.state == OpCtx::kSettled) continue;
-                if (op.state == OpCtx::kQueued) v.unposted++;
-                if (op.nic < nics_.size()) v.left_per_nic[op.nic]++;
+                if (r->list_extra) v.left += op_wrs(op);
+                if (op.state == OpCtx::kQueued) v.unposted += op_wrs(op);
+                if (op.nic < nics_.size()) v.left_per_nic[op.nic] += op_wrs(op);
             }
             if (!r->send_to.empty()) {
                 v.peers.push_back(r->send_to);
@@ -1022,6 +1048,13 @@ class Engine {
             for (size_t i : order) {
                 OpCtx& op = r->ops[i];
                 op.request = r;
+                if (chaos_ && op.pages > 1) {  // a list's pages in any order too
+                    for (uint32_t k = op.pages - 1; k > 0; k--) {
+                        uint32_t j = std::uniform_int_distribution<uint32_t>(0, k)(rng_);
+                        std::swap(r->list_src[op.first_page + k], r->list_src[op.first_page + j]);
+                        std::swap(r->list_dst[op.first_page + k], r->list_dst[op.first_page + j]);
+                    }
+                }
                 pending_[op.nic].push_back(&op);
             }
         }
@@ -1179,7 +1212,7 @@ class Engine {
         } else {
             op->state = OpCtx::kPosted;
             op->posts++;
-            NicTraffic::bump(posted_);
+            NicTraffic::bump(posted_, op_wrs(*op));
         }
     }
 
@@ -1253,7 +1286,7 @@ class Engine {
             if (counted) ps.inbound->fetch_sub(1, std::memory_order_seq_cst);
             return kGone;
         }
-        int rc = nics_[n]->post_write(w, &op);
+        int rc = op.pages ? post_list(*nics_[n], w, r, op, 0) : nics_[n]->post_write(w, &op);
         if (rc == 0) {
             NicTraffic::bump(traffic_[n].inflight);
             t.state->inflight++;
@@ -1271,6 +1304,35 @@ class Engine {
         return rc;
     }
 
+    // A list op to a domain that takes lists (post_write_list(w, src, dst, n, ctx): ``w`` as
+    // for a single write of one page, its raddr the base the pages' offsets add to); the
+    // planner makes list ops only where takes_lists said yes, so the fallback never runs.
+    template <class D>
+    static auto post_list(D& d, const WriteOp& w, Request& r, OpCtx& op, int)
+        -> decltype(d.post_write_list(w, static_cast<const uint64_t*>(nullptr), static_cast<const uint64_t*>(nullptr),
+                                      size_t(0), static_cast<void*>(nullptr))) {
+        return d.post_write_list(w, r.list_src.data() + op.first_page, r.list_dst.data() + op.first_page, op.pages,
+                                 &op);
+    }
+    template <class D>
+    static int post_list(D&, const WriteOp&, Request&, OpCtx&, long) {
+        return -ENOSYS;
+    }
+    template <class D>
+    static auto takes_lists_of(const D& d, uint64_t rkey, int) -> decltype(d.takes_lists(rkey)) {
+        return d.takes_lists(rkey);
+    }
+    template <class D>
+    static bool takes_lists_of(const D&, uint64_t, long) {
+        return false;
+    }
+
+  public:
+    // Whether NIC 0's domain takes a paged request to ``rkey`` as list ops (OpCtx::pages).
+    // Any thread: a domain answers from what it fixed at open.
+    bool takes_lists(uint64_t rkey) const { return !nics_.empty() && takes_lists_of(*nics_[0], rkey, 0); }
+
+  private:
     // Whether ``p`` is an engine of this process (LocalEndpoints); one atomic load unless an
     // engine of this process opened or went since ``p`` was last looked at.
     static bool local(PeerState& p) {
@@ -1328,6 +1390,14 @@ class Engine {
             self->imm_counts_[imm]++;
             NicTraffic::bump(self->traffic_[nic].imms);
             if (nic > 0) self->attribute(nic, src, imm);
+        }
+        // ``count`` imms of one value from one source (an inbox record).
+        void on_imms(uint32_t imm, uint64_t src, uint32_t count) {
+            if (count == 0) return;
+            self->imm_counts_[imm] += count;
+            NicTraffic::bump(self->traffic_[nic].imms, count);
+            if (nic > 0)
+                for (uint32_t k = 0; k < count; k++) self->attribute(nic, src, imm);
         }
         void on_error(void* ctx, int32_t status, const std::string& message) {
             if (ctx == nullptr) return;
@@ -1397,12 +1467,12 @@ class Engine {
         if (op.kind != 0 || op.nic >= nics_.size()) return;
         NicTraffic& t = traffic_[op.nic];
         NicTraffic::drop(t.inflight);
-        uint64_t len = op.mode == OpCtx::kImmOnly ? 0 : op.len;
+        uint64_t len = op_bytes(op), wrs = op_wrs(op);
         if (ok) {
-            NicTraffic::bump(t.wrs);
+            NicTraffic::bump(t.wrs, wrs);
             NicTraffic::bump(t.bytes, len);
         } else {
-            NicTraffic::bump(t.errors);
+            NicTraffic::bump(t.errors, wrs);
         }
         const Request& r = *op.request;
         PeerState* p = op.target < r.targets.size() ? r.targets[op.target]->state : nullptr;
@@ -1415,10 +1485,10 @@ class Engine {
         }
         op.inbound = false;
         if (ok) {
-            p->wrs++;
+            p->wrs += wrs;
             p->bytes += len;
         } else {
-            p->errors++;
+            p->errors += wrs;
         }
     }
 
@@ -1459,8 +1529,8 @@ class Engine {
 
     void finish_op(OpCtx& op) {
         if (op.kind == 0) {
-            NicTraffic::bump(completed_);
-            NicTraffic::bump(bytes_, op.mode == OpCtx::kImmOnly ? 0 : op.len);
+            NicTraffic::bump(completed_, op_wrs(op));
+            NicTraffic::bump(bytes_, op_bytes(op));
             // a completed work request is a sign of life (a probe can sit behind megabytes of
             // data on a transport with one stream per peer, such as tcp)
             PeerState* p = op.request->targets[op.target]->state;
@@ -2490,13 +2560,13 @@ class Engine {
         std::vector<size_t> per_nic(nics_.size(), 0);
         for (const OpCtx& op : r.ops) {
             if (op.state == OpCtx::kSettled) continue;
-            left++;
-            if (op.state == OpCtx::kQueued) unposted++;
-            if (op.nic < per_nic.size()) per_nic[op.nic]++;
+            left += op_wrs(op);
+            if (op.state == OpCtx::kQueued) unposted += op_wrs(op);
+            if (op.nic < per_nic.size()) per_nic[op.nic] += op_wrs(op);
         }
         auto secs = std::chrono::duration<double>(r.deadline - r.started).count();
         std::string m = "deadline of " + std::to_string(secs).substr(0, 6) + " s passed with " + std::to_string(left) +
-                        " of " + std::to_string(r.ops.size()) + " work requests outstanding (" +
+                        " of " + std::to_string(r.wrs()) + " work requests outstanding (" +
                         std::to_string(unposted) + " never posted; per NIC:";
         for (size_t n = 0; n < per_nic.size(); n++) m += " " + std::to_string(per_nic[n]);
         m += ")";

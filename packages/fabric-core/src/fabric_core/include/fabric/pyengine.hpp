@@ -128,6 +128,7 @@ class PyEngine {
             fast::Classes{std::move(sharded), std::move(pinned), std::move(shard_peers), std::move(descriptor),
                           std::move(scatter_target)},
             guarded);
+        fast_->set_lists([this](uint64_t rkey) { return engine_ && engine_->takes_lists(rkey); });
     }
 
     // The MemoryRegion made for registration ``token``: requests naming it may take the fast path.
@@ -202,15 +203,17 @@ class PyEngine {
             throw std::invalid_argument("plan_only: unknown kind or wrong number of arguments");
         }
         if (!req) return py::none();
-        auto n = static_cast<py::ssize_t>(req->ops.size());
+        auto n = static_cast<py::ssize_t>(req->wrs());
         py::array_t<int64_t> nic(n), target(n), src(n), dst(n), len(n);
-        for (py::ssize_t i = 0; i < n; i++) {
-            const auto& op = req->ops[static_cast<size_t>(i)];
-            nic.mutable_at(i) = op.nic;
-            target.mutable_at(i) = op.target;
-            src.mutable_at(i) = static_cast<int64_t>(op.src);
-            dst.mutable_at(i) = static_cast<int64_t>(op.dst_off);
-            len.mutable_at(i) = static_cast<int64_t>(op.len);
+        py::ssize_t i = 0;
+        for (const auto& op : req->ops) {
+            for (uint64_t k = 0; k < op_wrs(op); k++, i++) {  // a list op: its pages, one by one
+                nic.mutable_at(i) = op.nic;
+                target.mutable_at(i) = op.target;
+                src.mutable_at(i) = static_cast<int64_t>(op.pages ? req->list_src[op.first_page + k] : op.src);
+                dst.mutable_at(i) = static_cast<int64_t>(op.pages ? req->list_dst[op.first_page + k] : op.dst_off);
+                len.mutable_at(i) = static_cast<int64_t>(op.len);
+            }
         }
         return py::make_tuple(nic, target, src, dst, len);
     }
@@ -519,7 +522,7 @@ class PyEngine {
     int64_t push(std::unique_ptr<Request> req, double timeout_s) {
         if (!req) return -1;
         req->timeout_s = timeout_s;
-        int64_t imms = req->has_imm ? static_cast<int64_t>(req->ops.size()) : 0;
+        int64_t imms = req->has_imm ? static_cast<int64_t>(req->wrs()) : 0;
         rotation_++;
         fast_submitted_++;
         submit_outside_gil(std::move(req));
@@ -534,7 +537,7 @@ class PyEngine {
     // While the GIL is released another thread may close and destroy this engine: destroy()
     // waits until no submit is inside the engine (``submitting_``) before freeing it.
     void submit_outside_gil(std::unique_ptr<Request> req) {
-        if (engine_->would_post_inline(req->ops.size())) {
+        if (engine_->would_post_inline(req->wrs())) {
             submitting_.fetch_add(1, std::memory_order_seq_cst);
             py::gil_scoped_release release;
             engine_->submit(std::move(req));

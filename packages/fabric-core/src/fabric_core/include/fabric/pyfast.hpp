@@ -18,6 +18,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -50,6 +51,8 @@ class FastPlanner {
                                   std::make_shared<const std::vector<void*>>(std::move(descs))};
     }
     void drop_region(uint64_t handle) { regions_.erase(handle); }
+    // Whether NIC 0's domain takes a paged request to a key as list ops (Engine::takes_lists).
+    void set_lists(std::function<bool(uint64_t)> lists) { lists_ = std::move(lists); }
     void clear() {
         regions_.clear();
         targets_.clear();
@@ -116,6 +119,28 @@ class FastPlanner {
             if (!plan::distinct(count, d_lo, d_hi, [&](size_t i) { return dp(i); })) return nullptr;
         }
         auto req = start(id, value, reg, t);
+        const std::vector<uint64_t>& rkeys = t->target->rkeys;
+        if (plen > 0 && plen <= max_msg_ && count > 1 && (route.pin ? route.k == 0 : n_ == 1) && lists_ &&
+            !rkeys.empty() && lists_(rkeys[0])) {
+            // NIC 0's domain takes the pages as lists (the CUDA IPC domain: one kernel launch
+            // moves them, one inbox record counts their imms): kMaxListPages a work request of
+            // the engine instead of one each
+            req->list_src.resize(count);
+            req->list_dst.resize(count);
+            for (size_t i = 0; i < count; i++) {
+                req->list_src[i] = reg->ptr + so + static_cast<uint64_t>(sp(i)) * ss;
+                req->list_dst[i] = dof + static_cast<uint64_t>(dp(i)) * ds;
+            }
+            req->ops.reserve((count + kMaxListPages - 1) / kMaxListPages);
+            for (size_t at = 0; at < count; at += kMaxListPages) {
+                OpCtx& op = req->ops.emplace_back();
+                op.len = plen;
+                op.first_page = static_cast<uint32_t>(at);
+                op.pages = static_cast<uint32_t>(std::min(kMaxListPages, count - at));
+                req->list_extra += op.pages - 1;
+            }
+            return req;
+        }
         req->ops.reserve(plen <= max_msg_ ? count : 0);
         uint64_t first = rotation % n_;
         for (size_t i = 0; i < count; i++) {
@@ -216,6 +241,7 @@ class FastPlanner {
     };
 
     static constexpr size_t kMaxTargets = 4096;
+    static constexpr size_t kMaxListPages = 2048;  // pages of one list op at most
 
     struct Names {
         PyObject *handle, *nics, *nic, *writable, *length, *ptr, *address, *raw, *rkey, *dst, *src_offset, *dst_offset;
@@ -366,6 +392,7 @@ class FastPlanner {
     uint64_t max_msg_;
     Classes classes_;
     bool guarded_;
+    std::function<bool(uint64_t)> lists_;
     std::unordered_map<uint64_t, Region> regions_;
     std::unordered_map<PyObject*, TargetEntry> targets_;
 };
