@@ -120,7 +120,8 @@ class FastPlanner {
         }
         auto req = start(id, value, reg, t);
         const std::vector<uint64_t>& rkeys = t->target->rkeys;
-        if (plen > 0 && plen <= max_msg_ && count > 1 && (route.pin ? route.k == 0 : n_ == 1) && lists_ &&
+        if (plen > 0 && plen <= max_msg_ && count > 1 && count < (size_t(1) << 32) &&
+            (route.pin ? route.k == 0 : n_ == 1) && lists_ &&
             !rkeys.empty() && lists_(rkeys[0])) {
             // NIC 0's domain takes the pages as lists (the CUDA IPC domain: one kernel launch
             // moves them, one inbox record counts their imms): kMaxListPages a work request of
