@@ -298,18 +298,11 @@ class CudaIpcDomain : public Inner {
             x.desc = src ? src->inner_desc : nullptr;
             return Inner::post_write(x, ctx);
         }
-        auto it = peers_.find(w.peer);
-        if (it == peers_.end()) {
-            later(ctx, kRemoteAccess, "CUDA IPC: this key names CUDA memory, and the peer's address has no CUDA IPC");
-            return 0;
-        }
-        Peer& p = it->second;
+        Peer* pp = reachable(w.peer, ctx);
+        if (pp == nullptr) return 0;
+        Peer& p = *pp;
         int32_t status = kOk;
         std::string why;
-        if (!((p.table || map(p, status, why)) && alive(p, status, why))) {
-            later(ctx, status, why);
-            return 0;
-        }
         if (w.len == 0) {
             if (!w.has_imm || (p.lane && p.lane->push(w.imm, 1))) {
                 later(ctx, kOk, std::string());
@@ -359,18 +352,11 @@ class CudaIpcDomain : public Inner {
             return 0;
         }
         const Region* src = static_cast<const Region*>(w.desc);
-        auto it = peers_.find(w.peer);
-        if (it == peers_.end()) {
-            later(ctx, kRemoteAccess, "CUDA IPC: this key names CUDA memory, and the peer's address has no CUDA IPC");
-            return 0;
-        }
-        Peer& p = it->second;
+        Peer* pp = reachable(w.peer, ctx);
+        if (pp == nullptr) return 0;
+        Peer& p = *pp;
         int32_t status = kOk;
         std::string why;
-        if (!((p.table || map(p, status, why)) && alive(p, status, why))) {
-            later(ctx, status, why);
-            return 0;
-        }
         const typename Peer::Cached* c = cached_of(p, w.rkey, status, why);
         if (c == nullptr) {
             later(ctx, status, why);
@@ -483,6 +469,24 @@ class CudaIpcDomain : public Inner {
         size_t users = 0;
         bool direct = false;  // this domain's device reaches it (its own, or a peer it can access)
     };
+
+    // The peer a write to its CUDA memory goes to, its table mapped and its process alive;
+    // null, with the write failed (reported at the next poll), where it is not.
+    Peer* reachable(uint64_t peer, void* ctx) {
+        auto it = peers_.find(peer);
+        if (it == peers_.end()) {
+            later(ctx, kRemoteAccess, "CUDA IPC: this key names CUDA memory, and the peer's address has no CUDA IPC");
+            return nullptr;
+        }
+        Peer& p = it->second;
+        int32_t status = kOk;
+        std::string why;
+        if (!((p.table || map(p, status, why)) && alive(p, status, why))) {
+            later(ctx, status, why);
+            return nullptr;
+        }
+        return &p;
+    }
 
     // The inner domain's completions, with those of a list's doorbell writes (Doorbells)
     // taken out and counted.

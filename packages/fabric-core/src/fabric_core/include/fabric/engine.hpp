@@ -862,12 +862,12 @@ class Engine {
             v.age_s = secs(now - r->started);
             v.deadline_in_s = r->deadline == Clock::time_point::max() ? -1.0 : secs(r->deadline - now);
             v.ops = r->wrs();  // work requests (a list op's pages each)
-            v.left = r->list_extra ? 0 : r->left;
+            v.left = 0;
             v.unposted = 0;
             v.left_per_nic.assign(nics_.size(), 0);
             for (const OpCtx& op : r->ops) {
                 if (op.state == OpCtx::kSettled) continue;
-                if (r->list_extra) v.left += op_wrs(op);
+                v.left += op_wrs(op);
                 if (op.state == OpCtx::kQueued) v.unposted += op_wrs(op);
                 if (op.nic < nics_.size()) v.left_per_nic[op.nic] += op_wrs(op);
             }
