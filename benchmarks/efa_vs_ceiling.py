@@ -175,7 +175,11 @@ def main() -> int:
 
 
 def _plot(report: dict[str, Any], out: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # a lent GPU host may lack it: plot the JSON elsewhere
+        sys.stderr.write(f"no matplotlib here: {out} not drawn\n")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -21,7 +21,9 @@ what it registered under the key: a refusal becomes kRemoteAccess saying why, a 
 target would have taken fails as it did, a target that cannot answer costs 1 s, and the
 engine's dump lists the question while it is out. Case 13: a paged request as list ops (the
 CUDA IPC domain's form) lands every page, counts one imm per page, fails whole on a refused
-page, and is reordered under chaos.
+page, and is reordered under chaos. Case 14: while a thread spins on a counter, completions
+are held back from the completion thread (which would take the GIL just as that thread
+returns to Python) for a bounded time, and a thread that drains takes them itself.
 (``nox -s sanitize`` runs it under ThreadSanitizer too.)
 """
 
@@ -68,6 +70,7 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "13",
             "lists: status 0, 300 imms counted yes, bytes landed, 300 work requests of 4800 bytes, 2 posts",
         ),
+        ("14", "a drainer took one: yes"),
     ],
 )
 def test_liveness_probes_answer_late_and_fail_only_the_gone(program: Path, case: str, says: str) -> None:

@@ -14,12 +14,7 @@
 set -u
 R=$PWD; rounds=$1; reps=$2; shift 2
 splits=${*:-stacked}
-OUT_SAVE=$OUT
-OUT=/tmp/setup-kv bash benchmarks/device/run.sh >/dev/null 2>&1 || { echo "setup failed"; cat /tmp/setup-kv/results/setup.log; exit 1; }
-OUT=$OUT_SAVE
-rm -rf /tmp/base /tmp/base-efa && mkdir -p /tmp/base && tar xzf .gpu/base-engine.tgz -C /tmp/base
-PYTHONPATH=/tmp/base/packages/fabric-core/src LIBFABRIC_HOME=/tmp/fabric-fi python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/base-efa \
-  /tmp/base/packages/fabric-efa > /tmp/base-build.log 2>&1 || { echo "base build failed"; tail -20 /tmp/base-build.log; exit 1; }
+. benchmarks/device/ab_base_engine.sh kv
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 FABRIC_EFA_PROVIDER=shm FI_TCP_IFACE=lo OMP_NUM_THREADS=1 CUDA_MODULE_LOADING=EAGER CUDA_DEVICE_MAX_CONNECTIONS=32
 py=$R/packages/fabric-core/src:$R/packages/fabric-sim/src:$R/packages/fabric-apps/src
 mkdir -p /tmp/kvab

@@ -15,7 +15,10 @@
 # FABRIC_CUDA_LAUNCHES_AHEAD=4), two-apps-interleaved (its KvCache with FlashInfer's cache layout), moe (fabric bench moe --device cuda --ranks 2 against NCCL),
 # moe-phases (benchmarks/moe_phases.py: that bench's decode shape with a timer around each stage),
 # moe-profile (gpu_apps.py --only moe with rank 0 under cProfile), perf-kv (benchmarks/device/
-# perf_kv.sh: a flat CPU profile of both KvCache processes; needs .gpu/perf, prepare.sh --perf).
+# perf_kv.sh: a flat CPU profile of both KvCache processes; needs .gpu/perf, prepare.sh --perf),
+# ceiling (benchmarks/efa_vs_ceiling.py on the host's many cores: fabric-efa in host memory
+# against fi_ceiling.c built here, on shm and, where the provider exists, tcp;ofi_rxm; REPS
+# repetitions, default 5).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 dest=${OUT:-$PWD/gpu-out}
@@ -81,6 +84,10 @@ for step in "$@"; do
            --json "$out/moe-phases.json" ;;
     moe-profile) run_step moe-profile "$py" benchmarks/gpu_apps.py --only moe --steps 30 \
            --out "$out/moe-apps.json" --profile "$out/moe-prof" ;;
+    ceiling) run_step ceiling bash -c "cc -O2 -Wall -I/tmp/fabric-fi/include -o /tmp/fi_ceiling \
+           benchmarks/ceiling/fi_ceiling.c -L/tmp/fabric-fi/lib -lfabric && \
+           '$py' benchmarks/efa_vs_ceiling.py /tmp/fi_ceiling '$out/ceiling' --reps ${REPS:-5} \
+           --providers ${PROVIDERS:-shm,tcp}" ;;
     perf-kv) run_step perf-kv bash benchmarks/device/perf_kv.sh "$py" "$out" ;;
     *) echo "unknown step $step" >&2 ;;
   esac

@@ -58,6 +58,10 @@ class CounterTable {
     // The engine's inline progress: one progress step, if no other thread is in one; returns
     // whether it did any work.
     using Progress = std::function<bool()>;
+    // Told when a waiter starts (true) and stops (false) spinning through the progress hook:
+    // such a thread is about to run Python, so the engine holds completions back from its
+    // completion thread for a moment (Engine::spinning).
+    using Spin = std::function<void(bool)>;
 
     explicit CounterTable(std::chrono::microseconds spin = std::chrono::microseconds(200)) : spin_(spin) {}
 
@@ -67,8 +71,13 @@ class CounterTable {
     // the lock of a peer killed holding it); past ``deadline`` this gives up, leaves the hook
     // off but in place (never replaced under a thread that runs it) and returns false: the
     // engine must then outlive that thread, which the owner ensures by leaking it.
+    //
+    // ``spin`` (optional, removed with the hook) hears each waiter start and stop spinning. A
+    // waiter told the engine it started is told it stopped only by the same installation of
+    // the hooks (``hook_gen_``), so an engine never sees a stop without its start.
     bool set_progress(Progress fn,
-                      std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max()) {
+                      std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max(),
+                      Spin spin = nullptr) {
         std::lock_guard<std::mutex> lock(hook_mu_);
         hook_on_.store(false, std::memory_order_seq_cst);
         while (in_hook_.load(std::memory_order_seq_cst) > 0) {
@@ -76,6 +85,8 @@ class CounterTable {
             std::this_thread::yield();
         }
         hook_ = std::move(fn);
+        spin_hook_ = hook_ ? std::move(spin) : nullptr;
+        hook_gen_.fetch_add(1, std::memory_order_seq_cst);
         hook_on_.store(static_cast<bool>(hook_), std::memory_order_seq_cst);
         return true;
     }
@@ -171,6 +182,8 @@ class CounterTable {
         // Spin, driving the engine's progress meanwhile (the imm this waiter needs is then
         // polled and counted by this very thread), yielding the CPU after a run of idle steps.
         unsigned idle = 0;
+        uint64_t spun = 0;  // the hooks' installation told of this spin, or 0
+        if ((state = joint_state(ws, n)) == kCountQueued && Clock::now() < spin_end) spun = spin(true, 0);
         while ((state = joint_state(ws, n)) == kCountQueued && Clock::now() < spin_end) {
             if (step()) {
                 idle = 0;
@@ -178,6 +191,7 @@ class CounterTable {
                 std::this_thread::yield();
             }
         }
+        if (spun) spin(false, spun);
         if (state != kCountQueued) return state;
         std::unique_lock<std::mutex> lock(mu_);
         blocked_++;
@@ -387,6 +401,18 @@ class CounterTable {
         return out;
     }
 
+    // Tells the spin hook that this waiter starts (returns the hooks' installation, 0 if none
+    // heard it) or stops (``gen``: what the start returned; told only to that installation).
+    uint64_t spin(bool starting, uint64_t gen) {
+        if (!hook_on_.load(std::memory_order_seq_cst)) return 0;
+        in_hook_.fetch_add(1, std::memory_order_seq_cst);
+        uint64_t now = hook_gen_.load(std::memory_order_seq_cst);
+        bool on = hook_on_.load(std::memory_order_seq_cst) && spin_hook_ && (starting || now == gen);
+        if (on) spin_hook_(starting);
+        in_hook_.fetch_sub(1, std::memory_order_seq_cst);
+        return on ? now : 0;
+    }
+
     struct Slot {
         uint64_t count = 0;
         std::deque<WaiterPtr> waiters;
@@ -438,6 +464,8 @@ class CounterTable {
     std::chrono::microseconds spin_;
     std::mutex hook_mu_;
     Progress hook_;
+    Spin spin_hook_;
+    std::atomic<uint64_t> hook_gen_{0};
     std::atomic<bool> hook_on_{false};
     std::atomic<int> in_hook_{0};
     mutable std::mutex mu_;
