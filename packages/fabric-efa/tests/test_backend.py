@@ -441,6 +441,7 @@ def test_dump_state_lists_an_access_check_while_it_is_out() -> None:
         assert check["peer"] == b.address.raw.hex() and check["nic"] == 0 and check["key"] == key
         assert check["writes_held"] == 1 and check["age_s"] >= 0
         assert a.dump_state()["access_checks"] == []
+        assert a.dump_state()["counter_spinners"] == 0  # no thread waits on a counter of a's
         assert (dst[64:] == 0).all() and b.counter(2).value == 0
     finally:
         a.close()

@@ -785,6 +785,7 @@ void completions_wait_for_a_spinning_waiter() {
     std::atomic<int> waited{-1};
     std::thread spinner([&] { waited = table->block(waiter, Clock::now() + std::chrono::seconds(10)); });
     std::this_thread::sleep_for(std::chrono::milliseconds(20));  // inside its spin by now
+    int spinning = e->dump().counter_spinners;
 
     auto t0 = Clock::now();
     double held = handed(write(), t0);
@@ -798,11 +799,13 @@ void completions_wait_for_a_spinning_waiter() {
     CounterTable::Tokens fired;
     table->add_one(900, 1, fired);  // the waiter has its count and leaves
     spinner.join();
+    int spinning_after = e->dump().counter_spinners;  // told it stopped: nothing held any more
     t0 = Clock::now();
     double after = handed(write(), t0);
     std::printf("spinning waiter: a completion handed over after %.0f us while it spun; a drainer took one: %s; "
                 "after it left: %.0f us\n", held * 1e6, took ? "yes" : "no", after * 1e6);
     CHECK(waited == fabric::kCountOk);
+    CHECK(spinning == 1 && spinning_after == 0);
     CHECK(held >= 400e-6 && held < 1.0);  // held back (kHandOffMax), but not for long
     CHECK(took && after >= 0 && after < 1.0);
     CHECK(e->close(1.0));

@@ -396,6 +396,7 @@ struct EngineDump {
     size_t inflight_wrs = 0;
     std::vector<size_t> unposted_per_nic;
     uint64_t pokes_sent = 0;  // see Engine::poke
+    int counter_spinners = 0;  // threads spinning on a counter now (Engine::spinning)
     // >= 0: the progress lock stayed taken (a provider call that does not return, see
     // Engine::close) and the rest is empty; how long the step holding it has run, in seconds
     double progress_stuck_s = -1.0;
@@ -554,13 +555,7 @@ class Engine {
     // transfer whose completion that was, and drain() hands it over on its own thread.
     // Otherwise the worker hands them to the completion thread kHandOffGrace after they were
     // published once no thread spins, and after kHandOffMax whatever spins (hand_off_held).
-    void spinning(bool starting) {
-        if (starting) {
-            spinners_.fetch_add(1, std::memory_order_seq_cst);
-        } else {
-            spinners_.fetch_sub(1, std::memory_order_seq_cst);
-        }
-    }
+    void spinning(bool starting) { spinners_.fetch_add(starting ? 1 : -1, std::memory_order_seq_cst); }
 
     // Blocks up to timeout_s for completions; returns whatever is ready (maybe nothing).
     // Under load (more work was in flight when the first completions were published) it lets
@@ -624,13 +619,19 @@ class Engine {
             if (!worked && ++idle % 8 == 0) std::this_thread::yield();
         }
         drainers_.fetch_sub(1, std::memory_order_seq_cst);
+        wake_for_leftovers();
+        return b;
+    }
+
+    // Wakes the completion thread if completions wait in out_: those a drainer left as it
+    // went, or those held back for a spinner (hand_off_held).
+    void wake_for_leftovers() {
         bool left;
         {
             std::lock_guard<std::mutex> lock(out_mu_);
             left = !out_.empty();
         }
         if (left) out_cv_.notify_one();
-        return b;
     }
 
     // Stops the worker and waits for it (and for waiters inside progress) at most
@@ -873,6 +874,7 @@ class Engine {
             out.unposted_per_nic.push_back(waiting);
         }
         out.pokes_sent = pokes_sent_;
+        out.counter_spinners = spinners_.load(std::memory_order_seq_cst);
         for (const auto& c : access_checks_) out.access_checks.push_back({c.to, c.nic, c.key, secs(now - c.asked), c.ops.size()});
         for (const auto& [id, r] : live_) {
             RequestView v{};
@@ -2646,12 +2648,7 @@ class Engine {
         if (age < kHandOffGrace) return;
         if (age < kHandOffMax && spinners_.load(std::memory_order_seq_cst) != 0) return;
         held_since_.store(0, std::memory_order_relaxed);
-        bool any;
-        {
-            std::lock_guard<std::mutex> lock(out_mu_);
-            any = !out_.empty();
-        }
-        if (any) out_cv_.notify_one();
+        wake_for_leftovers();
     }
 
     void drain_on_close() {
@@ -2715,7 +2712,7 @@ class Engine {
     // one that holds it this long is stuck inside the provider)
     static constexpr auto kDiagnosticWait = std::chrono::milliseconds(200);
     static constexpr std::chrono::microseconds kCoalesceWait{10};
-    // how long completions wait for a thread that spins or drains to take them (hand_off_held)
+    // how long completions wait for a thread that spins on a counter (hand_off_held)
     static constexpr std::chrono::microseconds kHandOffGrace{50};
     static constexpr std::chrono::microseconds kHandOffMax{500};
     std::atomic<int64_t> held_since_{0};  // Clock ticks: completions held back since (0: none)
