@@ -31,6 +31,8 @@
 #include <fabric/region_table.hpp>
 #include <fabric/shm_orphans.hpp>
 
+#include "tcp_abort.hpp"
+
 namespace fabric::efa {
 
 class LibfabricError : public std::runtime_error {
@@ -251,6 +253,15 @@ class LibfabricDomain {
     // is then refused (rxm: "simultaneous, reject peer") until this side sends on it and
     // meets the reset. fi_av_remove does not close it (the connection holds the peer).
     bool stale_peers() const { return stale_peers_; }
+
+    // Resets this endpoint's connections to the peer endpoint at ``peer`` (its address), so
+    // that the provider fails the writes it holds for them (fabric/engine.hpp: a path lost in
+    // silence; tcp_abort.hpp says how and what is matched). Where connections are rxm's on
+    // tcp only; returns how many were reset.
+    size_t abort_path(const std::string& peer) {
+        if (!stale_peers_) return 0;
+        return tcp_abort::abort_connections(address_, peer);
+    }
 
     // Fault injection (tests: the harness's kill_nic): while failed, every write this NIC
     // completes is reported failed (its bytes and imm landed: an acknowledgement lost with

@@ -111,6 +111,15 @@ PYBIND11_MODULE(_efa, m) {
     m.def("close_address", [](py::bytes a) { fabric::fast::ClosedSet::instance().add(a); }, py::arg("address"));
     m.def("reopen_address", [](py::bytes a) { fabric::fast::ClosedSet::instance().remove(a); }, py::arg("address"));
     m.def("is_closed", [](py::bytes a) { return fabric::fast::ClosedSet::instance().contains(a); }, py::arg("address"));
+    // (tests: the connection reset a path lost in silence gets; tcp_abort.hpp)
+    m.def(
+        "abort_tcp_connections",
+        [](py::bytes local, py::bytes peer) {
+            std::string l = local, p = peer;
+            py::gil_scoped_release release;
+            return fabric::efa::tcp_abort::abort_connections(l, p);
+        },
+        py::arg("local"), py::arg("peer"));
     m.def("libfabric_version", [] {
         uint32_t v = fi_version();
         return py::make_tuple(FI_MAJOR(v), FI_MINOR(v));

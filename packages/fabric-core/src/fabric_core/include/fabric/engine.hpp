@@ -182,6 +182,11 @@ struct PathState {
     PowerSums tx;  // as a sender: imms of this session's WriteImms that completed on it
     PowerSums rx;  // as a target: imms counted from this peer on it (FI_SOURCE)
     uint64_t unattributed_at_hello = 0;  // the NIC's unattributed imms when the peer said hello
+    // Lost in silence (nic_loss_tick): until cut_until (while it is avoided), as long as work
+    // requests are outstanding on it, its connections are reset every kCutEvery (the domain's
+    // abort_path), so that a provider that holds them while TCP retransmits gives them up.
+    Clock::time_point cut_until{};
+    Clock::time_point cut_last{};
 };
 
 // What the worker knows of one remote engine (keyed by its NIC 0 address).
@@ -396,6 +401,7 @@ struct EngineDump {
     size_t inflight_wrs = 0;
     std::vector<size_t> unposted_per_nic;
     uint64_t pokes_sent = 0;  // see Engine::poke
+    uint64_t paths_cut = 0;   // connections reset on paths lost in silence (PathState::cut_until)
     int counter_spinners = 0;  // threads spinning on a counter now (Engine::spinning)
     // >= 0: the progress lock stayed taken (a provider call that does not return, see
     // Engine::close) and the rest is empty; how long the step holding it has run, in seconds
@@ -874,6 +880,7 @@ class Engine {
             out.unposted_per_nic.push_back(waiting);
         }
         out.pokes_sent = pokes_sent_;
+        out.paths_cut = paths_cut_;
         out.counter_spinners = spinners_.load(std::memory_order_seq_cst);
         for (const auto& c : access_checks_) out.access_checks.push_back({c.to, c.nic, c.key, secs(now - c.asked), c.ops.size()});
         for (const auto& [id, r] : live_) {
@@ -1337,6 +1344,16 @@ class Engine {
     template <class D>
     static int post_list(D&, const WriteOp&, Request&, OpCtx&, long) {
         return -ENOSYS;
+    }
+    // A domain's abort_path(peer address) where it has one: resets its connections to the
+    // peer's endpoint (see PathState::cut_until); how many.
+    template <class D>
+    static auto abort_path_of(D& d, const std::string& peer, int) -> decltype(size_t(d.abort_path(peer))) {
+        return d.abort_path(peer);
+    }
+    template <class D>
+    static size_t abort_path_of(D&, const std::string&, long) {
+        return 0;
     }
     template <class D>
     static auto takes_lists_of(const D& d, uint64_t rkey, int) -> decltype(d.takes_lists(rkey)) {
@@ -2072,6 +2089,15 @@ class Engine {
                                        std::to_string(std::chrono::duration<double>(probe_timeout_).count()).substr(0, 5) +
                                        " s";
                     evict_path(p, k);
+                    // A provider may hold them for as long as TCP retransmits (tcp;ofi_rxm: its
+                    // connection outlives the address): their connections are reset while the
+                    // path is avoided (nothing new goes on it meanwhile), so that it fails them.
+                    path.cut_until = path.down_until;
+                }
+                if (path.busy > 0 && now_ < path.cut_until && now_ - path.cut_last >= kCutEvery) {
+                    path.cut_last = now_;
+                    if (k < p.nic_addrs.size() && !p.nic_addrs[k].empty())
+                        paths_cut_ += abort_path_of(*nics_[k], p.nic_addrs[k], 0);
                 }
                 if (path.failed.empty() && path.ghosts.empty()) continue;
                 // requests that ended meanwhile (deadline, cancel): nothing to retry
@@ -2831,6 +2857,7 @@ class Engine {
     std::vector<std::string> revived_;
     // NIC loss (worker only)
     static constexpr auto kPathRetryMin = std::chrono::milliseconds(200);
+    static constexpr auto kCutEvery = std::chrono::milliseconds(100);
     std::vector<std::unordered_map<uint64_t, PeerState*>> attrib_;  // per NIC: source handle -> sender
     std::vector<uint64_t> unattributed_;  // per NIC: imms counted whose sender could not be told
     bool attributes_ = true;              // every NIC > 0 reports imm sources
@@ -2875,6 +2902,7 @@ class Engine {
     std::vector<void*> poke_desc_;   // its registration there (at the first poke)
     std::vector<char> poke_ready_;   // per NIC: registered
     uint64_t pokes_sent_ = 0;        // worker only (dump)
+    uint64_t paths_cut_ = 0;         // connections reset by abort_path (worker only, dump)
     std::unique_ptr<NicTraffic[]> traffic_;          // per NIC (stats)
 
     std::mutex out_mu_;

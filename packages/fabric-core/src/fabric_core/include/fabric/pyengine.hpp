@@ -436,6 +436,7 @@ class PyEngine {
             d["inflight_work_requests"] = e.inflight_wrs;
             d["unposted_per_nic"] = e.unposted_per_nic;
             d["pokes_sent"] = e.pokes_sent;
+            d["paths_cut"] = e.paths_cut;
             d["counter_spinners"] = e.counter_spinners;
         }
         d["requests"] = requests;
