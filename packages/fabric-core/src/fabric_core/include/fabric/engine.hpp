@@ -35,6 +35,11 @@
 //   bool stale_peers() const;                            // a connection the peer dropped may
 //                                                        // look alive here until this side
 //                                                        // sends on it (pokes, reset_path)
+// Optionally:
+//   size_t abort_path(const std::string& address);      // reset this NIC's connections to the
+//                                                        // peer NIC at ``address``, so that the
+//                                                        // provider fails what it holds for
+//                                                        // them; how many (PathState::cut_until)
 // Optionally, lists (OpCtx::pages; the CUDA IPC domain has them):
 //   bool takes_lists(uint64_t rkey) const;               // a paged request to rkey may come
 //                                                        // as lists (asked from any thread)
