@@ -25,7 +25,7 @@ import pytest
 
 from fabric_core.errors import FabricError, TransferTimeout, TransportError
 from fabric_core.settings import FabricSettings
-from fabric_core.testing.netns import PREFIX, NetnsLab
+from fabric_core.testing.netns import PREFIX, NetnsError, NetnsLab, netem_unavailable
 from fabric_core.testing.remote import RemoteEngine, WorkerDied, WorkerPool
 from fabric_core.transfer import Transfer
 
@@ -252,6 +252,55 @@ def test_writes_to_a_lossy_host_all_land() -> None:
         assert dropped is not None and int(dropped.group(1)) > 0  # the loss was real
         t.lab.clear_faults(1)
         assert t.lab.exec(1, "nft", "list", "ruleset").strip() == ""
+
+
+def test_writes_over_a_delayed_reordering_link_land_exactly() -> None:
+    """netem on both hosts' egress: 20 +- 10 ms per packet, a quarter of them sent ahead of
+    those still delayed. Small work requests (64 KiB) make many of them per transfer, and
+    TCP delivers each stream in order whatever the wire did: every byte lands, and every imm
+    is counted exactly. Where the kernel has no netem, skipped with the reason."""
+    reason = netem_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    with lab_of(2) as t:
+        a, b = t.engine(0, max_msg_size=64 << 10), t.engine(1)
+        size = 4 * MiB
+        src, dst = t.random(size, seed=13), t.pool.alloc(size)
+        mr, desc = a.register(src), b.register(dst).descriptor
+        assert _settle(a.submit_write(mr, 0, 4096, desc, 0)) is None
+        for host in (0, 1):
+            t.lab.delay(host, 20, jitter_ms=10, reorder_percent=25)
+        assert "netem" in t.lab.exec(0, "tc", "qdisc", "show", "dev", "r0")
+        chunk = size // 8
+        transfers = [a.submit_write(mr, i * chunk, chunk, desc, i * chunk, imm=30 + i) for i in range(8)]
+        for transfer in transfers:
+            assert _settle(transfer, 60) is None
+        for i, transfer in enumerate(transfers):
+            _exactly(b, 30 + i, transfer.imms_at_target)
+        assert np.array_equal(src, dst)
+        t.lab.clear_faults(0)
+        assert "netem" not in t.lab.exec(0, "tc", "qdisc", "show", "dev", "r0")
+
+
+def test_a_bad_delay_is_refused_and_changes_nothing() -> None:
+    with lab_of(2) as t:
+        for bad in ({"ms": -1.0}, {"ms": 5.0, "jitter_ms": -1.0}, {"ms": 5.0, "reorder_percent": 101.0}):
+            with pytest.raises(NetnsError, match="a delay takes"):
+                t.lab.delay(0, **bad)
+        with pytest.raises(NetnsError, match="reordering needs a delay"):
+            t.lab.delay(0, 0, reorder_percent=10)
+        t.lab.rate_limit(0, 100)
+        with pytest.raises(NetnsError, match="rate-limited"):
+            t.lab.delay(0, 5)
+        shown = t.lab.exec(0, "tc", "qdisc", "show", "dev", "r0")
+        assert "htb" in shown and "netem" not in shown
+        reason = netem_unavailable()
+        assert reason is None or "netem" in reason
+        if reason is not None:  # the kernel's refusal is a NetnsError too, and nothing changes
+            t.lab.rate_limit(0, None)
+            with pytest.raises(NetnsError, match="netem"):
+                t.lab.delay(0, 5)
+            assert "netem" not in t.lab.exec(0, "tc", "qdisc", "show", "dev", "r0")
 
 
 # --- process faults -------------------------------------------------------------------------

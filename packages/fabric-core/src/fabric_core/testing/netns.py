@@ -14,8 +14,10 @@ the host's ``r0`` (``FI_TCP_IFACE``; with several rails, NIC ``i`` of an engine 
 to one host: ``link_down``/``link_up`` (the host's veth), ``blackhole``/``unblackhole`` (drop
 everything in and out of its rail interfaces, nftables), ``loss`` (random drop in, out or
 both ways, nftables; see ``NetnsLab(gso=)`` for what a packet is), ``rate_limit`` (htb on the
-veth's egress), ``nic_fail``/``nic_restore`` (TCP through one rail reset and refused, as a NIC
-that fails and says so), ``clear_faults``; and on its worker process
+veth's egress), ``delay`` (netem delay, jitter and reordering on the veth's egress, where the
+kernel has netem: ``netem_unavailable()`` says why not), ``nic_fail``/``nic_restore`` (TCP
+through one rail reset and refused, as a NIC that fails and says so), ``clear_faults``; and on
+its worker process
 ``kill`` (SIGKILL), ``stop`` (SIGSTOP), ``cont`` (SIGCONT) and ``restart`` (a fresh worker,
 for a restarted peer)::
 
@@ -46,7 +48,7 @@ from typing import Any
 
 from .remote import RemoteEngine, WorkerPool, _Worker, stop_process
 
-__all__ = ["NetnsError", "NetnsLab", "PREFIX", "netns_unavailable", "remove_stale"]
+__all__ = ["NetnsError", "NetnsLab", "PREFIX", "netem_unavailable", "netns_unavailable", "remove_stale"]
 
 PREFIX = "fablab"
 _TOOLS = ("ip", "tc", "nft")
@@ -97,6 +99,31 @@ def netns_unavailable() -> str | None:
         with contextlib.suppress(NetnsError):
             _run(["ip", "netns", "delete", probe])
     return None
+
+
+def netem_unavailable() -> str | None:
+    """Why ``NetnsLab.delay`` cannot run here (the lab cannot, or the kernel has no netem
+    qdisc), or None. Asked once per process: a scratch namespace tries a netem qdisc on its
+    loopback."""
+    global _netem_reason
+    if _netem_reason is None:
+        reason = netns_unavailable()
+        if reason is None:
+            probe = f"{PREFIX}-{os.getpid()}-netem"
+            try:
+                _run(["ip", "netns", "add", probe])
+                netem = ["tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"]
+                _run(["ip", "netns", "exec", probe, *netem])
+            except NetnsError as exc:
+                reason = f"this kernel has no netem qdisc (sch_netem: delay and reordering need it): {exc}"
+            finally:
+                with contextlib.suppress(NetnsError):
+                    _run(["ip", "netns", "delete", probe])
+        _netem_reason = (reason,)
+    return _netem_reason[0]
+
+
+_netem_reason: tuple[str | None] | None = None
 
 
 def _alive(pid: int) -> bool:
@@ -163,6 +190,7 @@ class NetnsLab:
         self._reset: dict[int, set[int]] = {h: set() for h in range(hosts)}
         self._down: set[tuple[int, int]] = set()
         self._limited: set[tuple[int, int]] = set()
+        self._delayed: set[tuple[int, int]] = set()
         self._workers: dict[int, tuple[WorkerPool, _Worker]] = {}
         self._stopped: set[int] = set()
         self.env: dict[int, dict[str, str]] = {}
@@ -251,6 +279,45 @@ class NetnsLab:
             _run(["ip", "-n", self.ns(host), "link", "set", self.iface(rail), "up"])
             self._down.discard((host, rail))
 
+    def delay(
+        self,
+        host: int,
+        ms: float | None,
+        *,
+        jitter_ms: float = 0.0,
+        reorder_percent: float = 0.0,
+        rail: int = 0,
+    ) -> None:
+        """Delay every packet leaving host ``host`` on ``rail`` by ``ms`` milliseconds, give or
+        take ``jitter_ms`` (uniformly, per packet), and send ``reorder_percent`` % of them at
+        once instead, ahead of those still delayed (a netem root qdisc on its veth); ``None``
+        removes it. Not with a ``rate_limit`` on the same veth (both are its root qdisc).
+        Where the kernel has no netem it raises ``NetnsError`` (see ``netem_unavailable``)."""
+        self._check(host, rail)
+        ns, iface = self.ns(host), self.iface(rail)
+        with self._lock:
+            if ms is None:
+                if (host, rail) in self._delayed:
+                    _run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", iface, "root"])
+                    self._delayed.discard((host, rail))
+                return
+            if not (ms >= 0 and jitter_ms >= 0 and 0 <= reorder_percent <= 100):
+                raise NetnsError(
+                    f"a delay takes ms >= 0, jitter_ms >= 0 and reorder_percent 0 to 100, not "
+                    f"{ms}, {jitter_ms}, {reorder_percent}"
+                )
+            if reorder_percent and not ms:
+                raise NetnsError("reordering needs a delay to send packets ahead of")
+            if (host, rail) in self._limited:
+                raise NetnsError(f"host {host} rail {rail} is rate-limited: one shaping qdisc per veth")
+            netem = ["netem", "delay", f"{ms:g}ms"]
+            if jitter_ms:
+                netem.append(f"{jitter_ms:g}ms")
+            if reorder_percent:
+                netem += ["reorder", f"{reorder_percent:g}%"]
+            _run(["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", iface, "root", *netem])
+            self._delayed.add((host, rail))
+
     def rate_limit(self, host: int, mbit: float | None, rail: int = 0) -> None:
         """Shape host ``host``'s egress on ``rail`` to ``mbit`` Mbit/s (an htb root qdisc on
         its veth); ``None`` removes the limit."""
@@ -264,6 +331,8 @@ class NetnsLab:
                 return
             if not mbit > 0:
                 raise NetnsError(f"a rate limit is a positive number of Mbit/s, not {mbit}")
+            if (host, rail) in self._delayed:
+                raise NetnsError(f"host {host} rail {rail} is delayed: one shaping qdisc per veth")
             kbit = max(int(mbit * 1000), 8)
             tc = ["ip", "netns", "exec", ns, "tc"]
             _run([*tc, "qdisc", "replace", "dev", iface, "root", "handle", "1:", "htb", "default", "1"])
@@ -380,6 +449,8 @@ class NetnsLab:
                     self.link_up(host, rail)
                 if (host, rail) in self._limited:
                     self.rate_limit(host, None, rail)
+                if (host, rail) in self._delayed:
+                    self.delay(host, None, rail=rail)
             self._blackholed[host].clear()
             self._loss[host].clear()
             self._reset[host].clear()
