@@ -19,11 +19,12 @@
 // which sends nothing, so that the provider, polling it, reads end-of-stream and fails what
 // it holds for the connection, the writes that wait on the peer's acknowledgement included.
 //
-// Matched beyond the path: a connection the peer's host opened to this endpoint from the
-// peer's ip is taken for the peer's (its source port cannot be told from that of another
-// process of that host), and another engine of this process on the same ip with a
-// connection to the same peer endpoint is matched too. Their writes on it fail with a reset,
-// and are retried and reconciled as after any NIC failure (docs/concepts/failures.md).
+// Matched beyond the path: where this side opened no connection to the peer, those opened to
+// this endpoint from the peer's ip are all taken for the peer's (a source port cannot be told
+// from that of another process of that host), and another engine of this process on the same
+// ip with a connection to the same peer endpoint is matched too. Their writes on it fail with
+// a reset, and are retried and reconciled as after any NIC failure
+// (docs/concepts/failures.md).
 #pragma once
 
 #include <arpa/inet.h>
@@ -96,10 +97,12 @@ inline bool parse_proc(const char* text, bool v6, Endpoint& out) {
 
 // Inodes of this network namespace's TCP sockets, not listening, between ``local`` and
 // ``peer``: from local's ip (any port) to exactly peer's ip and port (the connections this
-// side opened), and from peer's ip (any port) to exactly local's ip and port (those the peer
-// opened to this endpoint's listening port).
+// side opened); where there is none, from peer's ip (any port) to exactly local's ip and port
+// (those opened to this endpoint's listening port from the peer's host). rxm keeps one
+// connection per pair of endpoints, so one this side opened is the path's, and those opened
+// to it from the peer's ip, which may be other processes', are left alone.
 inline std::set<unsigned long> inodes_between(const Endpoint& local, const Endpoint& peer) {
-    std::set<unsigned long> out;
+    std::set<unsigned long> out, accepted;
     const char* path = peer.v6 ? "/proc/self/net/tcp6" : "/proc/self/net/tcp";
     FILE* f = std::fopen(path, "r");
     if (f == nullptr) return out;
@@ -118,12 +121,14 @@ inline std::set<unsigned long> inodes_between(const Endpoint& local, const Endpo
         if (state == 0x0A || inode == 0) continue;  // listening, or gone (TIME_WAIT)
         Endpoint l, r;
         if (!parse_proc(here, peer.v6, l) || !parse_proc(there, peer.v6, r)) continue;
-        bool opened_here = l.same_ip(local) && r.same_ip(peer) && r.port == peer.port;
-        bool opened_there = l.same_ip(local) && l.port == local.port && r.same_ip(peer);
-        if (opened_here || opened_there) out.insert(inode);
+        if (l.same_ip(local) && r.same_ip(peer) && r.port == peer.port) {
+            out.insert(inode);
+        } else if (l.same_ip(local) && l.port == local.port && r.same_ip(peer)) {
+            accepted.insert(inode);
+        }
     }
     std::fclose(f);
-    return out;
+    return out.empty() ? accepted : out;
 }
 
 // Resets every connection of this process between ``local`` (this endpoint's address) and

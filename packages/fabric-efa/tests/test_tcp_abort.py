@@ -82,6 +82,17 @@ def test_a_connection_the_peer_opened_to_this_endpoint_is_reset() -> None:
             assert reset(from_peer)
 
 
+def test_a_connection_this_side_opened_spares_those_the_peers_host_opened_to_it() -> None:
+    with listener() as (mine, my_port), listener() as (peer, peer_port):
+        to_peer, at_peer = connect("127.0.0.1", peer_port, peer)
+        from_peers_host, accepted = connect("127.0.0.1", my_port, mine)
+        with to_peer, at_peer, from_peers_host, accepted:
+            n = _efa.abort_tcp_connections(sockaddr("127.0.0.1", my_port), sockaddr("127.0.0.1", peer_port))
+            assert n == 1
+            assert reset(to_peer) and reset(at_peer)
+            assert alive(from_peers_host, accepted) and alive(accepted, from_peers_host)
+
+
 def test_unsent_bytes_never_reach_the_peer() -> None:
     with listener() as (peer, peer_port):
         client, accepted = connect("127.0.0.1", peer_port, peer)
