@@ -2656,7 +2656,9 @@ class Engine {
             if (spinners_.load(std::memory_order_seq_cst) == 0) {
                 out_cv_.notify_one();
             } else if (held_since_.load(std::memory_order_relaxed) == 0) {
-                held_since_.store(now_.time_since_epoch().count(), std::memory_order_relaxed);
+                // (the clock now, not the step's start: a step that took long before it
+                // published would have had them handed over early)
+                held_since_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
             }
         }
         ready_.clear();
