@@ -519,3 +519,35 @@ def test_waits_naming_a_lost_peer_fail_at_once_until_revived() -> None:
     table.add(5)
     counter.wait(1, timeout=1.0, peer=peer)
     assert counter.value == 0
+
+
+def test_wait_latency_folds_every_sample_exactly_once_from_many_threads() -> None:
+    """``WaitLatency.record`` only appends (no lock); folding into the histogram happens every
+    ``_FOLD_AT`` samples and on ``snapshot``: whatever the interleaving, every sample is
+    counted once, in its bucket, and the pending samples stay bounded."""
+    from fabric_core.stats import WAIT_BUCKETS_S, WaitLatency
+
+    lat = WaitLatency()
+    per_thread, threads = 3 * WaitLatency._FOLD_AT + 17, 4
+    values = [WAIT_BUCKETS_S[i % len(WAIT_BUCKETS_S)] for i in range(per_thread)]
+
+    def run() -> None:
+        for i, v in enumerate(values):
+            lat.record(v, i % 5 != 0)
+
+    pool = [threading.Thread(target=run) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join(60)
+    assert len(lat._samples) < WaitLatency._FOLD_AT + threads  # bounded while nobody reads
+    w = lat.snapshot()
+    ok = [v for i, v in enumerate(values) if i % 5 != 0]
+    assert w.failed == threads * (per_thread - len(ok))
+    assert w.satisfied == threads * len(ok) == sum(w.buckets)
+    expected = [0] * (len(WAIT_BUCKETS_S) + 1)
+    for v in ok:
+        expected[WAIT_BUCKETS_S.index(v)] += threads  # a bound belongs to its own bucket
+    assert list(w.buckets) == expected
+    assert w.total_s == pytest.approx(threads * sum(ok))
+    assert lat.snapshot() == w  # nothing left to fold

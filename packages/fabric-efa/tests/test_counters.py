@@ -161,6 +161,42 @@ def test_a_blocking_wait_is_woken_by_another_thread_and_keeps_its_place_in_line(
     assert seen == ["expect"] and table.value(7) == 0 and table.imms_received == 4
 
 
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5, "1", None])
+def test_a_wait_for_a_bad_count_raises_and_takes_nothing(bad: Any) -> None:
+    table = _native()
+    table.add(7, 2)
+    with pytest.raises(ConfigError, match="count to wait for"):
+        table.counter(7, 5.0).wait(bad)
+    assert table.value(7) == 2 and table.waits.snapshot().failed == 0
+
+
+@pytest.mark.parametrize("bad", [-1, -0.5, float("nan"), "1", True])
+def test_a_wait_with_a_bad_timeout_raises_and_takes_nothing(bad: Any) -> None:
+    table = _native()
+    table.add(7, 2)
+    with pytest.raises(ConfigError, match="timeout"):
+        table.counter(7, 5.0).wait(1, timeout=bad)
+    assert table.value(7) == 2 and table.waits.snapshot().failed == 0
+
+
+@pytest.mark.parametrize("timeout", [None, 0, 0.0, 1, 2.5, math.inf])
+def test_a_satisfied_wait_takes_its_count_whatever_the_timeout_form(timeout: Any) -> None:
+    table = _native()
+    table.add(7, 3)
+    table.counter(7, 5.0).wait(2, timeout=timeout)
+    assert table.value(7) == 1
+    w = table.waits.snapshot()
+    assert w.satisfied == 1 and w.failed == 0 and sum(w.buckets) == 1
+
+
+def test_an_int_timeout_times_out_like_a_float_one() -> None:
+    table = _native()
+    with pytest.raises(TransferTimeout) as err:
+        table.counter(7, 5.0).wait(3, timeout=0)
+    assert err.value.expected == {7: 3} and err.value.received == {7: 0}
+    assert table.waits.snapshot().failed == 1
+
+
 def test_a_timed_out_head_unblocks_the_smaller_waiter_behind_it() -> None:
     table = _native()
     table.add(7, 2)
