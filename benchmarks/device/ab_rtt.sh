@@ -3,7 +3,8 @@
 # fabric-efa (new) against an earlier commit's (base: .gpu/base-engine.tgz, made here with
 # `git archive BASE packages/fabric-core packages/fabric-efa | gzip >.gpu/base-engine.tgz`,
 # built into /tmp/base-efa and put first on PYTHONPATH), both under this tree's Python
-# packages. ROUNDS rounds alternate `fabric bench --backend efa --nics 1 --sizes SIZES` (default
+# packages; with BASE_PYTHON=1, base runs under the base commit's fabric_core Python too (an
+# A/B of a Python change: make the tarball at the commit before it). ROUNDS rounds alternate `fabric bench --backend efa --nics 1 --sizes SIZES` (default
 # 8,4K) between new and base on each of BENCH_PROVIDERS (default shm; tcp is tcp;ofi_rxm on
 # loopback): the imm round trip, GB/s and writes/s per size, paged 4 KiB writes. Then, with
 # REPS > 0 (default 3), benchmarks/efa_vs_ceiling.py on new against fi_ceiling.c built here
@@ -31,6 +32,7 @@ for prov in ${BENCH_PROVIDERS:-shm}; do
   for i in $(seq 1 "$rounds"); do
     for tag in new base; do
       path=$py; [ $tag = base ] && path=/tmp/base-efa:$py
+      [ $tag = base ] && [ "${BASE_PYTHON:-0}" = 1 ] && path=/tmp/base-efa:/tmp/base/packages/fabric-core/src:$py
       f=$res/rtt-$prov-$tag-$i
       FABRIC_EFA_PROVIDER=$fi_prov PYTHONPATH=$path timeout 120 python3 -m fabric_core.cli bench --backend efa \
         --nics 1 --sizes "${SIZES:-8,4K}" --json $f.json > $f.log 2>&1
