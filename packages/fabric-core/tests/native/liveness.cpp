@@ -772,13 +772,6 @@ void completions_wait_for_a_spinning_waiter() {
         e->submit(std::move(req), false);
         return id;
     };
-    // E's completion thread: how long after ``since`` it got completion ``id`` (-1: not in 2 s)
-    auto handed = [&](uint64_t id, Clock::time_point since) {
-        for (auto until = since + std::chrono::seconds(2); Clock::now() < until;)
-            for (auto& c : e->wait_batch(1.0).done)
-                if (c.id == id) return std::chrono::duration<double>(Clock::now() - since).count();
-        return -1.0;
-    };
     auto waiter = std::make_shared<CounterTable::Waiter>();
     waiter->n = 1;
     CHECK(table->enqueue(900, waiter) == fabric::kCountQueued);
@@ -787,28 +780,75 @@ void completions_wait_for_a_spinning_waiter() {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));  // inside its spin by now
     int spinning = e->dump().counter_spinners;
 
-    auto t0 = Clock::now();
-    double held = handed(write(), t0);
-    t0 = Clock::now();
-    uint64_t id = write();
+    // A thread that drains when the write completes takes its completion itself (nothing
+    // else waits for completions yet: a completion thread that came back to wait_batch while
+    // the drainer drained would take what is published meanwhile, as it may).
     fabric::Batch drained;
-    for (auto until = t0 + std::chrono::seconds(2); Clock::now() < until && drained.done.empty();)
-        drained = e->drain(0.1);
+    std::atomic<bool> draining{false};
+    std::thread drainer([&] {
+        draining = true;
+        for (auto until = Clock::now() + std::chrono::seconds(2); Clock::now() < until && drained.done.empty();)
+            drained = e->drain(0.5);
+    });
+    while (!draining.load() || e->dump().drainers != 1) std::this_thread::yield();  // inside drain
+    uint64_t id = write();
+    drainer.join();
     bool took = drained.done.size() == 1 && drained.done[0].id == id && drained.done[0].status == fabric::kOk;
+
+    // E's completion thread, as the binding runs one: blocked in wait_batch while nothing is
+    // handed over, noting when each completion reaches it. It must be blocked there before a
+    // write completes: the hold keeps a sleeping completion thread asleep, it hides nothing
+    // from one that comes to wait_batch later (that one takes what is published at once; the
+    // test's first form called wait_batch after submitting, and a preemption in between
+    // showed as a completion "handed over" after 50-240 us).
+    std::mutex got_mu;
+    std::map<uint64_t, Clock::time_point> got;
+    std::atomic<bool> done{false}, waiting{false};
+    std::thread completer([&] {
+        while (!done.load()) {
+            waiting = true;
+            fabric::Batch b = e->wait_batch(30.0);  // (close() ends it)
+            waiting = false;
+            auto now = Clock::now();
+            if (!b.empty()) e->batch_done();  // handed to "Python" (before the test sees it: a
+                                              // drainer returns at once while a batch is in hand)
+            std::lock_guard<std::mutex> lock(got_mu);
+            for (auto& c : b.done) got[c.id] = now;
+        }
+    });
+    // A write submitted once the completer waits: how long until the completer had it (-1:
+    // not within 2 s).
+    auto timed_write = [&] {
+        while (!waiting.load()) std::this_thread::yield();
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));  // inside wait_batch by now
+        auto t0 = Clock::now();
+        uint64_t id = write();
+        for (auto until = t0 + std::chrono::seconds(2); Clock::now() < until;) {
+            {
+                std::lock_guard<std::mutex> lock(got_mu);
+                auto it = got.find(id);
+                if (it != got.end()) return std::chrono::duration<double>(it->second - t0).count();
+            }
+            std::this_thread::sleep_for(std::chrono::microseconds(20));
+        }
+        return -1.0;
+    };
+    double held = timed_write();
 
     CounterTable::Tokens fired;
     table->add_one(900, 1, fired);  // the waiter has its count and leaves
     spinner.join();
     int spinning_after = e->dump().counter_spinners;  // told it stopped: nothing held any more
-    t0 = Clock::now();
-    double after = handed(write(), t0);
+    double after = timed_write();
+    done = true;
+    CHECK(e->close(1.0));  // (wait_batch returns at once once it is closed)
+    completer.join();
     std::printf("spinning waiter: a completion handed over after %.0f us while it spun; a drainer took one: %s; "
                 "after it left: %.0f us\n", held * 1e6, took ? "yes" : "no", after * 1e6);
     CHECK(waited == fabric::kCountOk);
     CHECK(spinning == 1 && spinning_after == 0);
     CHECK(held >= 400e-6 && held < 1.0);  // held back (kHandOffMax), but not for long
     CHECK(took && after >= 0 && after < 1.0);
-    CHECK(e->close(1.0));
 }
 
 }  // namespace

@@ -408,6 +408,7 @@ struct EngineDump {
     uint64_t pokes_sent = 0;  // see Engine::poke
     uint64_t paths_cut = 0;   // connections reset on paths lost in silence (PathState::cut_until)
     int counter_spinners = 0;  // threads spinning on a counter now (Engine::spinning)
+    int drainers = 0;          // threads draining their transfers now (Engine::drain)
     // >= 0: the progress lock stayed taken (a provider call that does not return, see
     // Engine::close) and the rest is empty; how long the step holding it has run, in seconds
     double progress_stuck_s = -1.0;
@@ -887,6 +888,7 @@ class Engine {
         out.pokes_sent = pokes_sent_;
         out.paths_cut = paths_cut_;
         out.counter_spinners = spinners_.load(std::memory_order_seq_cst);
+        out.drainers = drainers_.load(std::memory_order_seq_cst);
         for (const auto& c : access_checks_) out.access_checks.push_back({c.to, c.nic, c.key, secs(now - c.asked), c.ops.size()});
         for (const auto& [id, r] : live_) {
             RequestView v{};
