@@ -23,7 +23,10 @@ engine's dump lists the question while it is out. Case 13: a paged request as li
 CUDA IPC domain's form) lands every page, counts one imm per page, fails whole on a refused
 page, and is reordered under chaos. Case 14: while a thread spins on a counter, completions
 are held back from the completion thread (which would take the GIL just as that thread
-returns to Python) for a bounded time, and a thread that drains takes them itself.
+returns to Python) for a bounded time, and a thread that drains takes them itself. Case 15:
+while a thread spins on a counter the worker steps aside (the spinner is the only poller), and
+the last spinner to stop hands progress back to it where work is in flight or the waiter goes
+to sleep, not where it leaves satisfied with nothing in flight.
 (``nox -s sanitize`` runs it under ThreadSanitizer too.)
 """
 
@@ -71,6 +74,11 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "lists: status 0, 300 imms counted yes, bytes landed, 300 work requests of 4800 bytes, 2 posts",
         ),
         ("14", "a drainer took one: yes"),
+        (
+            "15",
+            "the worker stepped aside yes, pollers in a window 1 (the spinner's: yes); hand-backs: "
+            "satisfied idle 0, with work in flight 1, to sleep 1",
+        ),
     ],
 )
 def test_liveness_probes_answer_late_and_fail_only_the_gone(program: Path, case: str, says: str) -> None:

@@ -446,3 +446,63 @@ def test_dump_state_lists_an_access_check_while_it_is_out() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_progress_goes_back_to_the_worker_after_a_spinning_wait() -> None:
+    """While a thread spins in ``ImmCounter.wait`` it runs the engine's progress steps and the
+    worker steps aside; the last spinner to stop hands progress back where it must
+    (``liveness.cpp`` case 15 holds the rules, with a spin long enough to watch). Here, through
+    the binding: a wait that is still unsatisfied when its spin ends hands it back as it goes
+    to sleep (``spinner_wakes`` counts it); a waiter that spins and is satisfied gets its imm and its bytes; and after it,
+    with no thread waiting, the worker alone counts the next imm."""
+    import threading
+    import time
+
+    import numpy as np
+
+    from fabric_core.errors import TransferTimeout
+
+    a = registry.open_engine("efa", efa_provider="shm")
+    b = registry.open_engine("efa", efa_provider="shm")
+    try:
+        src, dst = np.arange(4096, dtype=np.uint8), np.zeros(4096, dtype=np.uint8)
+        src_mr, dst_mr = a.register(src), b.register(dst)
+        d = dst_mr.descriptor
+        a.submit_write(src_mr, 0, 64, d, 0, imm=1).wait(10)  # connected
+        b.counter(1).wait(1, 10)
+        state = b.dump_state()
+        assert state["counter_spinners"] == 0 and state["worker_deferring"] in (True, False)
+        wakes = state["spinner_wakes"]
+        for _ in range(5):  # (a spin starts unless the thread is preempted for 200 us first)
+            with pytest.raises(TransferTimeout):  # the spin ends (200 us), the wait sleeps
+                b.counter(2).wait(1, 0.02)
+            if b.dump_state()["spinner_wakes"] > wakes:
+                break
+        assert b.dump_state()["spinner_wakes"] == wakes + 1
+
+        outcome: list[BaseException | None] = []
+
+        def wait_for_three() -> None:
+            try:
+                b.counter(3).wait(1, 10)
+                outcome.append(None)
+            except BaseException as exc:  # (asserted below)
+                outcome.append(exc)
+
+        waiter = threading.Thread(target=wait_for_three)
+        waiter.start()
+        a.submit_write(src_mr, 0, 64, d, 64, imm=3).wait(10)
+        waiter.join(10)
+        assert outcome == [None]
+        assert (dst[64:128] == src[:64]).all()
+
+        # nobody waits now: the worker polls the next imm itself
+        a.submit_write(src_mr, 0, 64, d, 128, imm=4).wait(10)
+        end = time.monotonic() + 5
+        while b.counter(4).value == 0 and time.monotonic() < end:
+            time.sleep(0.001)
+        assert b.counter(4).value == 1 and (dst[128:192] == src[:64]).all()
+        assert b.dump_state()["counter_spinners"] == 0
+    finally:
+        a.close()
+        b.close()

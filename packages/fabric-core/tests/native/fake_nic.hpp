@@ -22,6 +22,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <thread>
 #include <stdexcept>
 #include <string>
@@ -232,6 +233,7 @@ class FakeNic {
         std::deque<Event> batch;
         {
             std::lock_guard<std::mutex> lock(mu_);
+            if (record_pollers.load()) pollers_.insert(std::this_thread::get_id());
             for (int i = 0; i < 16 && !events_.empty(); i++) {
                 batch.push_back(std::move(events_.front()));
                 events_.pop_front();
@@ -357,6 +359,7 @@ class FakeNic {
     FakeFabric& fabric_;
     const std::string address_;
     std::mutex mu_;
+    std::set<std::thread::id> pollers_;  // (record_pollers)
     std::vector<std::string> peers_;
     std::vector<std::string> accepted_to_;  // under mu_
     std::vector<Region> regions_;
@@ -393,6 +396,18 @@ class FakeNic {
     // write completions polled after the target's NIC was destroyed: on shm, a sender reaping
     // a write through the memory of a target of this process that has closed (SIGSEGV)
     std::atomic<int> reaped_after_free{0};
+
+    std::atomic<bool> record_pollers{false};  // while set, pollers() gathers the threads that poll
+
+    std::set<std::thread::id> pollers() {
+        std::lock_guard<std::mutex> lock(mu_);
+        return pollers_;
+    }
+
+    void clear_pollers() {
+        std::lock_guard<std::mutex> lock(mu_);
+        pollers_.clear();
+    }
 
     std::thread::id poster() {
         std::lock_guard<std::mutex> lock(mu_);

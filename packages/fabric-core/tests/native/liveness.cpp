@@ -147,9 +147,9 @@ struct Pair {
         std::vector<unsigned char> dst = std::vector<unsigned char>(64, 0);
         std::shared_ptr<fabric::Target> target = std::make_shared<fabric::Target>();
     };
-    std::unique_ptr<Third> third() {
+    std::unique_ptr<Third> third(const std::string& name = "c", std::shared_ptr<CounterTable> table = nullptr) {
         auto t = std::make_unique<Third>();
-        t->engine = fabric_test::open_engine(fabric, "c", 1, std::make_shared<CounterTable>(), false);
+        t->engine = fabric_test::open_engine(fabric, name, 1, table ? table : std::make_shared<CounterTable>(), false);
         t->target->addresses.push_back(t->engine->nic(0).address());
         t->target->rkeys.push_back(t->engine->nic(0).register_remote(t->dst.data(), t->dst.size()));
         t->target->remote_base = reinterpret_cast<uint64_t>(t->dst.data());
@@ -851,10 +851,120 @@ void completions_wait_for_a_spinning_waiter() {
     CHECK(took && after >= 0 && after < 1.0);
 }
 
+
+// While a thread spins on a counter it runs the progress steps, and the worker steps aside: in
+// a window of the spin the spinner is the only thread that polls. The last spinner to stop
+// hands progress back to the worker (wakes it) where it leaves work in flight or goes to sleep
+// on the counter, and not where it leaves satisfied with nothing in flight; a waiter gone to
+// sleep still gets its imm, and a write left in flight completes, with no thread but the
+// worker to poll them.
+void the_worker_steps_aside_for_a_spinner() {
+    Pair p;
+    auto table = std::make_shared<CounterTable>(std::chrono::seconds(5));
+    auto third_e = p.third("e", table);
+    auto& e = third_e->engine;
+    const auto& et = third_e->target;
+    auto deferring = [&e] {  // the worker steps aside (looked for up to 5 s)
+        for (int i = 0; i < 5000 && !e->dump().worker_deferring; i++)
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        return e->dump().worker_deferring;
+    };
+    auto wakes = [&e] { return e->dump().spinner_wakes; };
+    auto spin_on = [&table](uint32_t imm, std::chrono::milliseconds limit, std::atomic<int>& rc) {
+        return std::thread([&table, imm, limit, &rc] {
+            auto w = std::make_shared<CounterTable::Waiter>();
+            w->n = 1;
+            int code = table->enqueue(imm, w);
+            if (code == fabric::kCountQueued) code = table->block(w, Clock::now() + limit);
+            uint64_t seen = 0;
+            CounterTable::Tokens fired;
+            if (code == fabric::kCountQueued) table->withdraw(imm, w, seen, fired);
+            rc = code;
+        });
+    };
+
+    // 1. A spinner that leaves satisfied with nothing in flight.
+    std::atomic<int> rc1{-1};
+    std::thread s1 = spin_on(900, std::chrono::seconds(10), rc1);
+    bool stepped_aside = deferring();
+    e->nic(0).clear_pollers();
+    e->nic(0).record_pollers = true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    e->nic(0).record_pollers = false;
+    auto pollers = e->nic(0).pollers();
+    bool only_spinner = pollers.size() == 1 && *pollers.begin() == s1.get_id();
+    uint64_t w0 = wakes();
+    p.write_imm(900, et);  // B to E
+    s1.join();
+    uint64_t w1 = wakes();
+
+    // 2. One that leaves with E's write in flight (reported once released).
+    e->nic(0).hold_write_done = true;
+    std::atomic<int> rc2{-1};
+    std::thread s2 = spin_on(901, std::chrono::seconds(10), rc2);
+    CHECK(deferring());
+    auto req = std::make_unique<fabric::Request>();
+    const uint64_t id = req->id = 77;
+    req->has_imm = true;
+    req->imm = 5;
+    req->src_desc = std::make_shared<const std::vector<void*>>(1, nullptr);
+    req->targets.push_back(p.at);
+    req->ops.resize(1);
+    req->ops[0].src = reinterpret_cast<uint64_t>(p.src.data());
+    req->ops[0].len = 8;
+    e->submit(std::move(req), false);  // (inline_ok false: the worker is woken to post it)
+    for (int i = 0; i < 5000 && e->dump().inflight_wrs != 1; i++) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    p.write_imm(901, et);
+    s2.join();
+    uint64_t w2 = wakes();
+    e->nic(0).hold_write_done = false;
+    e->nic(0).release_writes();
+    bool completed = false;
+    for (auto until = Clock::now() + std::chrono::seconds(5); Clock::now() < until && !completed;) {
+        fabric::Batch b = e->wait_batch(0.1);
+        for (auto& c : b.done) completed |= c.id == id && c.status == fabric::kOk;
+    }
+
+    // 3. One that stops spinning to sleep (its deadline comes before its spin's end).
+    std::atomic<int> rc3{-1};
+    std::thread s3 = spin_on(902, std::chrono::milliseconds(50), rc3);
+    s3.join();
+    uint64_t w3 = wakes();
+
+    // 4. A waiter that sleeps after a short spin gets its imm, polled by the worker.
+    auto short_table = std::make_shared<CounterTable>(std::chrono::milliseconds(20));
+    auto third_f = p.third("f", short_table);
+    auto& f = third_f->engine;
+    const auto& ft = third_f->target;
+    auto w = std::make_shared<CounterTable::Waiter>();
+    w->n = 1;
+    CHECK(short_table->enqueue(903, w) == fabric::kCountQueued);
+    std::atomic<int> rc4{-1};
+    std::thread s4([&] { rc4 = short_table->block(w, Clock::now() + std::chrono::seconds(10)); });
+    for (int i = 0; i < 5000 && f->dump().spinner_wakes == 0; i++) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    bool slept = f->dump().spinner_wakes == 1 && f->dump().counter_spinners == 0 && rc4.load() == -1;
+    auto t0 = Clock::now();
+    p.write_imm(903, ft);
+    s4.join();
+    double took = std::chrono::duration<double>(Clock::now() - t0).count();
+
+    CHECK(e->close(1.0) && f->close(1.0));
+    std::printf("a spinning waiter: the worker stepped aside %s, pollers in a window %zu (the spinner's: %s); "
+                "hand-backs: satisfied idle %llu, with work in flight %llu, to sleep %llu; a sleeping waiter's "
+                "imm in %.0f us\n",
+                stepped_aside ? "yes" : "no", pollers.size(), only_spinner ? "yes" : "no",
+                (unsigned long long)(w1 - w0), (unsigned long long)(w2 - w1), (unsigned long long)(w3 - w2),
+                took * 1e6);
+    CHECK(stepped_aside && only_spinner);
+    CHECK(rc1 == fabric::kCountOk && rc2 == fabric::kCountOk && rc3 == fabric::kCountQueued);  // (3: out at its deadline)
+    CHECK(w1 == w0 && w2 == w1 + 1 && w3 == w2 + 1);
+    CHECK(completed);
+    CHECK(slept && rc4 == fabric::kCountOk && took < 5.0);
+}
 }  // namespace
 
 int main(int argc, char** argv) {
-    std::string only = argc > 1 ? argv[1] : "";  // "1" to "14": that case alone
+    std::string only = argc > 1 ? argv[1] : "";  // "1" to "15": that case alone
     if (only.empty() || only == "1") answers_refused_for_a_while();
     if (only.empty() || only == "2") a_probe_left_over_from_an_earlier_wait();
     if (only.empty() || only == "3") a_peer_that_is_gone();
@@ -869,6 +979,7 @@ int main(int argc, char** argv) {
     if (only.empty() || only == "12") access_checks_say_why_a_write_failed();
     if (only.empty() || only == "13") paged_requests_as_lists();
     if (only.empty() || only == "14") completions_wait_for_a_spinning_waiter();
+    if (only.empty() || only == "15") the_worker_steps_aside_for_a_spinner();
     std::printf("liveness: ok\n");
     return 0;
 }

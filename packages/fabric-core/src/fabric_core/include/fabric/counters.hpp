@@ -58,10 +58,13 @@ class CounterTable {
     // The engine's inline progress: one progress step, if no other thread is in one; returns
     // whether it did any work.
     using Progress = std::function<bool()>;
-    // Told when a waiter starts (true) and stops (false) spinning through the progress hook:
-    // such a thread is about to run Python, so the engine holds completions back from its
-    // completion thread for a moment (Engine::spinning).
-    using Spin = std::function<void(bool)>;
+    // Told when a waiter starts spinning through the progress hook (kSpinStart) and when it
+    // stops: satisfied or failed (kSpinDone; such a thread is about to run Python, so the
+    // engine holds completions back from its completion thread for a moment), or still
+    // waiting, to sleep on the table's condition variable from now on (kSpinBlocks: nothing
+    // drives the engine's progress for it any more). Engine::spinning.
+    enum SpinEvent : int { kSpinStart = 1, kSpinDone = 0, kSpinBlocks = -1 };
+    using Spin = std::function<void(SpinEvent)>;
 
     explicit CounterTable(std::chrono::microseconds spin = std::chrono::microseconds(200)) : spin_(spin) {}
 
@@ -183,7 +186,7 @@ class CounterTable {
         // polled and counted by this very thread), yielding the CPU after a run of idle steps.
         unsigned idle = 0;
         uint64_t spun = 0;  // the hooks' installation told of this spin, or 0
-        if ((state = joint_state(ws, n)) == kCountQueued && Clock::now() < spin_end) spun = spin(true, 0);
+        if ((state = joint_state(ws, n)) == kCountQueued && Clock::now() < spin_end) spun = spin(kSpinStart, 0);
         while ((state = joint_state(ws, n)) == kCountQueued && Clock::now() < spin_end) {
             if (step()) {
                 idle = 0;
@@ -191,7 +194,7 @@ class CounterTable {
                 std::this_thread::yield();
             }
         }
-        if (spun) spin(false, spun);
+        if (spun) spin(state == kCountQueued ? kSpinBlocks : kSpinDone, spun);
         if (state != kCountQueued) return state;
         std::unique_lock<std::mutex> lock(mu_);
         blocked_++;
@@ -403,12 +406,12 @@ class CounterTable {
 
     // Tells the spin hook that this waiter starts (returns the hooks' installation, 0 if none
     // heard it) or stops (``gen``: what the start returned; told only to that installation).
-    uint64_t spin(bool starting, uint64_t gen) {
+    uint64_t spin(SpinEvent event, uint64_t gen) {
         if (!hook_on_.load(std::memory_order_seq_cst)) return 0;
         in_hook_.fetch_add(1, std::memory_order_seq_cst);
         uint64_t now = hook_gen_.load(std::memory_order_seq_cst);
-        bool on = hook_on_.load(std::memory_order_seq_cst) && spin_hook_ && (starting || now == gen);
-        if (on) spin_hook_(starting);
+        bool on = hook_on_.load(std::memory_order_seq_cst) && spin_hook_ && (event == kSpinStart || now == gen);
+        if (on) spin_hook_(event);
         in_hook_.fetch_sub(1, std::memory_order_seq_cst);
         return on ? now : 0;
     }

@@ -409,6 +409,9 @@ struct EngineDump {
     uint64_t paths_cut = 0;   // connections reset on paths lost in silence (PathState::cut_until)
     int counter_spinners = 0;  // threads spinning on a counter now (Engine::spinning)
     int drainers = 0;          // threads draining their transfers now (Engine::drain)
+    bool worker_deferring = false;  // the worker naps while a spinner runs the steps (Engine::defer)
+    uint64_t spinner_wakes = 0;     // times the last spinner to stop handed progress back to it
+                                    // (work in flight, or a waiter gone to sleep: Engine::spinning)
     // >= 0: the progress lock stayed taken (a provider call that does not return, see
     // Engine::close) and the rest is empty; how long the step holding it has run, in seconds
     double progress_stuck_s = -1.0;
@@ -472,7 +475,7 @@ class Engine {
         incarnation_ = std::random_device{}() | (uint64_t(std::random_device{}()) << 32) | 1;
         worker_ = std::thread([this, cpu] { run(cpu); });
         counters_->set_progress([this] { return help(); }, Clock::time_point::max(),
-                                [this](bool starting) { spinning(starting); });
+                                [this](CounterTable::SpinEvent e) { spinning(e); });
     }
 
     // The domains go first: a provider may still hold the contexts of work requests that never
@@ -567,7 +570,27 @@ class Engine {
     // transfer whose completion that was, and drain() hands it over on its own thread.
     // Otherwise the worker hands them to the completion thread kHandOffGrace after they were
     // published once no thread spins, and after kHandOffMax whatever spins (hand_off_held).
-    void spinning(bool starting) { spinners_.fetch_add(starting ? 1 : -1, std::memory_order_seq_cst); }
+    //
+    // While one spins, the worker also steps aside (Engine::run): the spinner runs progress
+    // steps itself, and a second thread polling the same queues only takes the progress lock
+    // from it, and on a host with fewer cores than busy threads its CPU too (each of its
+    // yields there is a context switch between it and the spinner). The last spinner to stop
+    // wakes it where something is left for it: work in flight, or a waiter that now sleeps
+    // (kSpinBlocks) and needs its imms polled. One that stops satisfied with nothing in
+    // flight does not: it is on its way back to Python, and a wake-up would cost it a system
+    // call and, on a busy host, its CPU; the worker comes back from its nap on its own.
+    void spinning(CounterTable::SpinEvent event) {
+        if (event == CounterTable::kSpinStart) {
+            spinners_.fetch_add(1, std::memory_order_seq_cst);
+            return;
+        }
+        if (spinners_.fetch_sub(1, std::memory_order_seq_cst) != 1) return;
+        if (event != CounterTable::kSpinBlocks && !work_left_.load(std::memory_order_relaxed) && queue_.empty()) return;
+        spinner_wakes_.fetch_add(1, std::memory_order_relaxed);  // (handed back: dump)
+        if (!deferring_.load(std::memory_order_seq_cst)) return;
+        std::lock_guard<std::mutex> lock(wake_mu_);
+        wake_cv_.notify_one();
+    }
 
     // Blocks up to timeout_s for completions; returns whatever is ready (maybe nothing).
     // Under load (more work was in flight when the first completions were published) it lets
@@ -888,6 +911,8 @@ class Engine {
         out.pokes_sent = pokes_sent_;
         out.paths_cut = paths_cut_;
         out.counter_spinners = spinners_.load(std::memory_order_seq_cst);
+        out.worker_deferring = deferring_.load(std::memory_order_seq_cst);
+        out.spinner_wakes = spinner_wakes_.load(std::memory_order_relaxed);
         out.drainers = drainers_.load(std::memory_order_seq_cst);
         for (const auto& c : access_checks_) out.access_checks.push_back({c.to, c.nic, c.key, secs(now - c.asked), c.ops.size()});
         for (const auto& [id, r] : live_) {
@@ -974,6 +999,12 @@ class Engine {
         auto stall_nap = kNap;
         auto stalled_since = last_work;  // the first empty poll since the last progress
         while (!stop_.load(std::memory_order_acquire)) {
+            // A thread spinning on a counter runs the steps (spinning()): step aside meanwhile.
+            if (spinners_.load(std::memory_order_seq_cst) > 0 && queue_.empty()) {
+                defer(kSpinnerNap);
+                empty = 0;
+                continue;
+            }
             bool busy, inflight, full;
             {
                 std::lock_guard<std::timed_mutex> lock(progress_mu_);
@@ -1027,7 +1058,22 @@ class Engine {
         if (!pongs_.empty()) answer_fences();
         if (now_ - last_tick_ >= kTick || !fences_.empty()) tick();
         publish();
+        work_left_.store(inflight_ > 0, std::memory_order_relaxed);
         return busy;
+    }
+
+    // Sleeps up to ``d`` while a thread spins on a counter (it runs the steps); the last
+    // spinner to stop wakes it where there is work for it (spinning()), and a submit does as it
+    // does for any nap (a small one is posted by the submitter itself).
+    void defer(std::chrono::microseconds d) {
+        std::unique_lock<std::mutex> lock(wake_mu_);
+        deferring_.store(true, std::memory_order_seq_cst);
+        sleeping_.store(true, std::memory_order_seq_cst);
+        // (seq_cst against spinning(): either the last spinner sees deferring_, or this sees it gone)
+        if (spinners_.load(std::memory_order_seq_cst) > 0 && queue_.empty() && !stop_.load(std::memory_order_acquire))
+            wake_cv_.wait_for(lock, d);
+        sleeping_.store(false, std::memory_order_release);
+        deferring_.store(false, std::memory_order_seq_cst);
     }
 
     // Sleeps up to ``d`` unless a submit is queued; submit() wakes a sleeping worker at once.
@@ -2750,6 +2796,10 @@ class Engine {
     // how long completions wait for a thread that spins on a counter (hand_off_held)
     static constexpr std::chrono::microseconds kHandOffGrace{50};
     static constexpr std::chrono::microseconds kHandOffMax{500};
+    // the worker's nap while a thread spins on a counter and runs the steps (defer()): how
+    // long imms for other waiters and incoming messages may wait once a spinner went back to
+    // Python with nothing in flight and did not wake it
+    static constexpr std::chrono::microseconds kSpinnerNap{100};
     std::atomic<int64_t> held_since_{0};  // Clock ticks: completions held back since (0: none)
     std::atomic<bool> more_coming_{false};  // work was in flight at the last publication
     size_t inflight_ = 0;
@@ -2922,6 +2972,9 @@ class Engine {
     std::mutex wake_mu_;
     std::condition_variable wake_cv_;
     std::atomic<bool> sleeping_{false};
+    std::atomic<bool> deferring_{false};  // the worker naps because a thread spins (defer())
+    std::atomic<bool> work_left_{false};  // work in flight after the last step (spinning())
+    std::atomic<uint64_t> spinner_wakes_{0};  // (dump)
     std::mutex exit_mu_;          // exited_: the worker has left run() (close() waits on exit_cv_)
     std::condition_variable exit_cv_;
     bool exited_ = false;

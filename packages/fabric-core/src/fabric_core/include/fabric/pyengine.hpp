@@ -438,6 +438,8 @@ class PyEngine {
             d["pokes_sent"] = e.pokes_sent;
             d["paths_cut"] = e.paths_cut;
             d["counter_spinners"] = e.counter_spinners;
+            d["worker_deferring"] = e.worker_deferring;
+            d["spinner_wakes"] = e.spinner_wakes;
         }
         d["requests"] = requests;
         d["peers"] = peers;
