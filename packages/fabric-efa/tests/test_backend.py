@@ -452,9 +452,9 @@ def test_progress_goes_back_to_the_worker_after_a_spinning_wait() -> None:
     """While a thread spins in ``ImmCounter.wait`` it runs the engine's progress steps and the
     worker steps aside; the last spinner to stop hands progress back where it must
     (``liveness.cpp`` case 15 holds the rules, with a spin long enough to watch). Here, through
-    the binding: a wait that is still unsatisfied when its spin ends hands it back as it goes
-    to sleep (``spinner_wakes`` counts it); a waiter that spins and is satisfied gets its imm and its bytes; and after it,
-    with no thread waiting, the worker alone counts the next imm."""
+    the binding: a wait still unsatisfied when its spin ends hands it back as it goes to sleep
+    (``spinner_wakes`` counts it); a waiter that spins and is satisfied gets its imm and its
+    bytes; and after it, with no thread waiting, the worker alone counts the next imm."""
     import threading
     import time
 
