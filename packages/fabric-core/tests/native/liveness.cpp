@@ -922,6 +922,7 @@ void the_worker_steps_aside_for_a_spinner() {
     bool completed = false;
     for (auto until = Clock::now() + std::chrono::seconds(5); Clock::now() < until && !completed;) {
         fabric::Batch b = e->wait_batch(0.1);
+        if (!b.empty()) e->batch_done();  // (as the binding does: handed to "Python")
         for (auto& c : b.done) completed |= c.id == id && c.status == fabric::kOk;
     }
 
