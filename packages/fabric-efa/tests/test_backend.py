@@ -506,3 +506,56 @@ def test_progress_goes_back_to_the_worker_after_a_spinning_wait() -> None:
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize(("provider", "long_drains"), [("shm", False), ("tcp;ofi_rxm", True)])
+def test_a_wait_on_a_long_paged_transfer_drains_only_where_the_peer_is_not_on_this_cpu(
+    provider: str, long_drains: bool
+) -> None:
+    """A thread waiting on a paged transfer of host memory drains it (runs the engine's progress
+    and takes the completions itself) unless the transfer is long and the provider is shm, where
+    the peer's own progress copies the bytes on this host and a spinning waiter takes its CPU
+    (``fabric_efa.engine._DRAIN_MAX_PAGES``): on shm, no thread drains while a 1,024-page
+    transfer is waited on, and a 16-page one still drains; over tcp both drain. Every page
+    lands either way."""
+    import threading
+
+    import numpy as np
+
+    pages, page = 1024, 4096
+    a = registry.open_engine("efa", efa_provider=provider)
+    b = registry.open_engine("efa", efa_provider=provider)
+    try:
+        src = np.arange(pages * page, dtype=np.uint32).astype(np.uint8)
+        dst = np.zeros_like(src)
+        src_mr, d = a.register(src), b.register(dst).descriptor
+        order = np.random.default_rng(3).permutation(pages)
+        a.submit_write(src_mr, 0, 8, d, 0, imm=1).wait(10)  # connected
+        short = a.submit_paged_write(src_mr, np.arange(16), page, d, np.arange(16), page, page, imm=2)
+        assert short._drain is not None
+        short.wait(10)
+
+        drainers: list[int] = []
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                drainers.append(int(a.dump_state()["drainers"]))
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            long = a.submit_paged_write(src_mr, np.arange(pages), page, d, order, page, page, imm=3)
+            assert (long._drain is not None) == long_drains
+            long.wait(30)
+        finally:
+            stop.set()
+            watcher.join(10)
+        if not long_drains:
+            assert drainers and max(drainers) == 0
+        expected = src.reshape(pages, page)
+        assert (dst.reshape(pages, page)[order] == expected).all()
+        assert b.counter(3).wait(pages, 10) is None
+    finally:
+        a.close()
+        b.close()

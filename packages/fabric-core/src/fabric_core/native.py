@@ -112,6 +112,8 @@ class NativeEngine(EngineBase):
     closed in this process must fail before posting; subclasses then implement
     ``_is_closed`` and ``_mark_closed``. ``where`` names the transport in error messages.
     ``queue_depth``: the backend's choice where ``settings.queue_depth`` makes none.
+    ``drain_max_pages``: a thread waiting on a paged transfer of host memory with more pages
+    than this sleeps on it rather than draining (None: it always drains; see _fast_paged).
     """
 
     def __init__(
@@ -124,8 +126,10 @@ class NativeEngine(EngineBase):
         guarded: bool = False,
         where: str = "",
         queue_depth: int = 256,
+        drain_max_pages: int | None = None,
     ) -> None:
         self._core = core
+        self._drain_max_pages = drain_max_pages
         self._guarded = guarded
         self._where = where or capabilities.backend
         addresses = [DomainAddress(raw=a) for a in core.addresses()]
@@ -293,7 +297,15 @@ class NativeEngine(EngineBase):
             r.routing,
             limit,
         )
-        return self._fast(t, imms)
+        done = self._fast(t, imms)
+        # A wait on a long paged transfer gains little by draining (it saves one hand-off from
+        # the completion thread on a transfer of milliseconds) and, where the peer's CPU moves
+        # the bytes on this very host (shm), its spinning takes CPU from that copy: the
+        # backend says from how many pages the waiter sleeps instead (drain_max_pages).
+        most = self._drain_max_pages
+        if done is not None and most is not None and len(src_pages) > most and r.src.device.kind == "cpu":
+            done._drain = None
+        return done
 
     def stats(self) -> EngineStats:
         core = self._core.stats()

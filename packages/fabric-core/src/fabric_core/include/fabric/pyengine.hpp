@@ -438,6 +438,7 @@ class PyEngine {
             d["pokes_sent"] = e.pokes_sent;
             d["paths_cut"] = e.paths_cut;
             d["counter_spinners"] = e.counter_spinners;
+            d["drainers"] = e.drainers;
             d["worker_deferring"] = e.worker_deferring;
             d["spinner_wakes"] = e.spinner_wakes;
         }
