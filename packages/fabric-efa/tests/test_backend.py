@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -408,6 +410,26 @@ def test_opening_an_shm_engine_removes_the_regions_of_dead_processes_only() -> N
             f.unlink(missing_ok=True)
 
 
+@contextlib.contextmanager
+def _connected(provider: str, nbytes: int = 4096) -> Iterator[tuple[Any, Any, Any, Any, Any, Any]]:
+    """Engines a and b on ``provider``, a's ``src`` (bytes 0, 1, ..., 255, 0, ...) and b's zeroed
+    ``dst`` of ``nbytes`` registered, and a connected to b by a 64-byte write with imm 1 at
+    offset 0: (a, b, src, dst, src_mr, dst descriptor). Both engines are closed on leaving."""
+    import numpy as np
+
+    a = registry.open_engine("efa", efa_provider=provider)
+    b = registry.open_engine("efa", efa_provider=provider)
+    try:
+        src = (np.arange(nbytes) % 256).astype(np.uint8)
+        dst = np.zeros(nbytes, dtype=np.uint8)
+        src_mr, d = a.register(src), b.register(dst).descriptor
+        a.submit_write(src_mr, 0, 64, d, 0, imm=1).wait(10)
+        yield a, b, src, dst, src_mr, d
+    finally:
+        a.close()
+        b.close()
+
+
 def test_dump_state_lists_an_access_check_while_it_is_out() -> None:
     """Over tcp a refused write comes back cancelled with its connection, and the engine asks
     the target why (an access check, docs/concepts/security.md). While the question is out,
@@ -416,17 +438,9 @@ def test_dump_state_lists_an_access_check_while_it_is_out() -> None:
     (The question leaves 20 ms after the cancel, so polling the dump every millisecond meets it.)"""
     import time
 
-    import numpy as np
-
     from fabric_core.errors import RemoteAccessError
 
-    a = registry.open_engine("efa", efa_provider="tcp;ofi_rxm")
-    b = registry.open_engine("efa", efa_provider="tcp;ofi_rxm")
-    try:
-        src, dst = np.arange(4096, dtype=np.uint8), np.zeros(4096, dtype=np.uint8)
-        src_mr, dst_mr = a.register(src), b.register(dst)
-        d = dst_mr.descriptor
-        a.submit_write(src_mr, 0, 64, d, 0, imm=1).wait(10)  # connected
+    with _connected("tcp;ofi_rxm") as (a, b, _src, dst, src_mr, d):
         key = d.nics[0].rkey ^ 0x5A5A_0000
         forged = d.model_copy(update={"nics": (d.nics[0].model_copy(update={"rkey": key}),)})
         t = a.submit_write(src_mr, 0, 64, forged, 0, imm=2, timeout=10)
@@ -443,9 +457,6 @@ def test_dump_state_lists_an_access_check_while_it_is_out() -> None:
         assert a.dump_state()["access_checks"] == []
         assert a.dump_state()["counter_spinners"] == 0  # no thread waits on a counter of a's
         assert (dst[64:] == 0).all() and b.counter(2).value == 0
-    finally:
-        a.close()
-        b.close()
 
 
 def test_progress_goes_back_to_the_worker_after_a_spinning_wait() -> None:
@@ -458,17 +469,9 @@ def test_progress_goes_back_to_the_worker_after_a_spinning_wait() -> None:
     import threading
     import time
 
-    import numpy as np
-
     from fabric_core.errors import TransferTimeout
 
-    a = registry.open_engine("efa", efa_provider="shm")
-    b = registry.open_engine("efa", efa_provider="shm")
-    try:
-        src, dst = np.arange(4096, dtype=np.uint8), np.zeros(4096, dtype=np.uint8)
-        src_mr, dst_mr = a.register(src), b.register(dst)
-        d = dst_mr.descriptor
-        a.submit_write(src_mr, 0, 64, d, 0, imm=1).wait(10)  # connected
+    with _connected("shm") as (a, b, src, dst, src_mr, d):
         b.counter(1).wait(1, 10)
         state = b.dump_state()
         assert state["counter_spinners"] == 0 and state["worker_deferring"] in (True, False)
@@ -503,9 +506,6 @@ def test_progress_goes_back_to_the_worker_after_a_spinning_wait() -> None:
             time.sleep(0.001)
         assert b.counter(4).value == 1 and (dst[128:192] == src[:64]).all()
         assert b.dump_state()["counter_spinners"] == 0
-    finally:
-        a.close()
-        b.close()
 
 
 @pytest.mark.parametrize(("provider", "long_drains"), [("shm", False), ("tcp;ofi_rxm", True)])
@@ -523,14 +523,8 @@ def test_a_wait_on_a_long_paged_transfer_drains_only_where_the_peer_is_not_on_th
     import numpy as np
 
     pages, page = 1024, 4096
-    a = registry.open_engine("efa", efa_provider=provider)
-    b = registry.open_engine("efa", efa_provider=provider)
-    try:
-        src = np.arange(pages * page, dtype=np.uint32).astype(np.uint8)
-        dst = np.zeros_like(src)
-        src_mr, d = a.register(src), b.register(dst).descriptor
+    with _connected(provider, pages * page) as (a, b, src, dst, src_mr, d):
         order = np.random.default_rng(3).permutation(pages)
-        a.submit_write(src_mr, 0, 8, d, 0, imm=1).wait(10)  # connected
         short = a.submit_paged_write(src_mr, np.arange(16), page, d, np.arange(16), page, page, imm=2)
         assert short._drain is not None
         short.wait(10)
@@ -556,6 +550,3 @@ def test_a_wait_on_a_long_paged_transfer_drains_only_where_the_peer_is_not_on_th
         expected = src.reshape(pages, page)
         assert (dst.reshape(pages, page)[order] == expected).all()
         assert b.counter(3).wait(pages, 10) is None
-    finally:
-        a.close()
-        b.close()

@@ -171,10 +171,10 @@ struct Pair {
         return rc == fabric::kCountOk;
     }
 
-    // B writes 8 bytes carrying ``imm`` to A (or to ``to``).
-    void write_imm(uint32_t imm, const std::shared_ptr<fabric::Target>& to = nullptr) {
+    // B (or ``from``) writes 8 bytes carrying ``imm`` to A (or to ``to``); the request's id.
+    uint64_t write_imm(uint32_t imm, const std::shared_ptr<fabric::Target>& to = nullptr, FakeEngine* from = nullptr) {
         auto req = std::make_unique<fabric::Request>();
-        req->id = next_id++;
+        const uint64_t id = req->id = next_id++;
         req->has_imm = true;
         req->imm = imm;
         req->src_desc = std::make_shared<const std::vector<void*>>(1, nullptr);
@@ -185,7 +185,8 @@ struct Pair {
         req->ops[0].src = reinterpret_cast<uint64_t>(src.data());
         req->ops[0].dst_off = 0;
         req->ops[0].len = 8;
-        b->submit(std::move(req), inline_ok);
+        (from != nullptr ? *from : *b).submit(std::move(req), inline_ok);
+        return id;
     }
     bool inline_ok = true;
 
@@ -759,19 +760,8 @@ void completions_wait_for_a_spinning_waiter() {
     Pair p;
     auto table = std::make_shared<CounterTable>(std::chrono::seconds(5));
     auto e = fabric_test::open_engine(p.fabric, "e", 1, table, false);
-    auto write = [&] {
-        auto req = std::make_unique<fabric::Request>();
-        uint64_t id = req->id = p.next_id++;
-        req->has_imm = true;
-        req->imm = 5;
-        req->src_desc = std::make_shared<const std::vector<void*>>(1, nullptr);
-        req->targets.push_back(p.at);
-        req->ops.resize(1);
-        req->ops[0].src = reinterpret_cast<uint64_t>(p.src.data());
-        req->ops[0].len = 8;
-        e->submit(std::move(req), false);
-        return id;
-    };
+    p.inline_ok = false;  // (E's writes are posted by its worker)
+    auto write = [&] { return p.write_imm(5, nullptr, e.get()); };
     auto waiter = std::make_shared<CounterTable::Waiter>();
     waiter->n = 1;
     CHECK(table->enqueue(900, waiter) == fabric::kCountQueued);
@@ -903,16 +893,8 @@ void the_worker_steps_aside_for_a_spinner() {
     std::atomic<int> rc2{-1};
     std::thread s2 = spin_on(901, std::chrono::seconds(10), rc2);
     CHECK(deferring());
-    auto req = std::make_unique<fabric::Request>();
-    const uint64_t id = req->id = 77;
-    req->has_imm = true;
-    req->imm = 5;
-    req->src_desc = std::make_shared<const std::vector<void*>>(1, nullptr);
-    req->targets.push_back(p.at);
-    req->ops.resize(1);
-    req->ops[0].src = reinterpret_cast<uint64_t>(p.src.data());
-    req->ops[0].len = 8;
-    e->submit(std::move(req), false);  // (inline_ok false: the worker is woken to post it)
+    p.inline_ok = false;  // (the worker is woken to post it)
+    const uint64_t id = p.write_imm(5, nullptr, e.get());  // E to A
     for (int i = 0; i < 5000 && e->dump().inflight_wrs != 1; i++) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     p.write_imm(901, et);
     s2.join();
