@@ -89,15 +89,7 @@ class FakeNic {
         if (to.empty()) return -EHOSTUNREACH;
         if (fabric::ClosedSet::instance().contains(to)) posts_to_closed.fetch_add(1);
         for (int c = write_credits.load(); c >= 0;) {  // a provider queue with room for ``c`` more
-            if (c == 0) {  // full; with refill_every, the post after that many refusals is taken
-                int every = refill_every.load();
-                if (every > 0 && refused_.load() >= every) {
-                    refused_ = 0;
-                    break;
-                }
-                refused_++;
-                return -EAGAIN;
-            }
+            if (c == 0) return -EAGAIN;                 // full
             if (write_credits.compare_exchange_weak(c, c - 1)) break;
         }
         if (record_writes.load()) {
@@ -234,6 +226,8 @@ class FakeNic {
         {
             std::lock_guard<std::mutex> lock(mu_);
             if (record_pollers.load()) pollers_.insert(std::this_thread::get_id());
+            int none = 0;  // a full queue frees one slot per poll (as a provider's progress does)
+            if (refill_on_poll.load()) write_credits.compare_exchange_strong(none, 1);
             for (int i = 0; i < 16 && !events_.empty(); i++) {
                 batch.push_back(std::move(events_.front()));
                 events_.pop_front();
@@ -379,8 +373,7 @@ class FakeNic {
     std::thread::id last_poster;        // the thread of the last post_write (under mu_)
     std::atomic<bool> hang_posts{false};  // while set, post_write does not return
     std::atomic<int> write_credits{-1};   // >= 0: post_write takes one, none left: -EAGAIN
-    std::atomic<int> refill_every{0};     // with no credits left: every post after this many refusals is taken
-    std::atomic<int> refused_{0};
+    std::atomic<bool> refill_on_poll{false};  // with no credits left: each poll gives one back
     std::atomic<bool> record_writes{false};  // while set, accepted_to() lists where writes went
     std::atomic<bool> hold_write_done{false};  // while set, landed writes are not reported
     std::atomic<int> hanging{0};          // threads inside such a post_write
