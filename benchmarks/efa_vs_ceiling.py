@@ -11,6 +11,14 @@ bench-server process) on the same sizes. With ``--peers-python``, the peer bench
 ``benchmarks/peers/`` run in that (separate) environment in the same repetitions. Medians over
 the repetitions; ratios are fabric / ceiling. Writes ``efa-vs-ceiling.json`` and
 ``efa-vs-ceiling.png`` to OUT_DIR.
+
+``--paired`` measures size by size instead, for a host whose speed moves between runs (the
+2-core machine flips between modes about 2x apart, even between back-to-back runs): each
+repetition runs, for every size, the two ceilings and a ``fabric bench`` sweep of that size
+alone, next to each other (in alternating order: ceilings first, then fabric first), and a
+ratio is taken within each such pair. The rows then give the median of the pairs' ratios, with
+their range and how many pairs reached the target; the round trip and the paged rate are paired
+the same way (with the ceiling runs of the 8-byte and 4 KiB steps).
 """
 
 from __future__ import annotations
@@ -37,20 +45,23 @@ def _lines(cmd: list[str], env: dict[str, str]) -> list[dict[str, Any]]:
     return [json.loads(line) for line in out.splitlines() if line.strip()]
 
 
-def _ceiling(binary: str, provider: str, delivery: bool) -> dict[str, Any]:
-    sizes = ",".join(str(s) for s in SIZES)
-    cmd = [binary, "-p", provider, "-s", sizes, "-r", "3", *(["-d"] if delivery else [])]
-    rows = _lines(cmd, {**os.environ, "FI_TCP_IFACE": "lo"})
+def _ceiling_sizes(binary: str, provider: str, delivery: bool, sizes: list[int]) -> dict[str, Any]:
+    cmd = [binary, "-p", provider, "-s", ",".join(str(s) for s in sizes), "-r", "3"]
+    rows = _lines([*cmd, *(["-d"] if delivery else [])], {**os.environ, "FI_TCP_IFACE": "lo"})
     bw = {r["size"]: r for r in rows if r["kind"] == "bandwidth"}
     rtt = [r["rtt_us_p50"] for r in rows if r["kind"] == "imm_round_trip"]
     return {"bandwidth": bw, "rtt_us_p50": rtt[0] if rtt else None}
 
 
-def _fabric(provider: str, tmp: Path) -> dict[str, Any]:
+def _ceiling(binary: str, provider: str, delivery: bool) -> dict[str, Any]:
+    return _ceiling_sizes(binary, provider, delivery, SIZES)
+
+
+def _fabric(provider: str, tmp: Path, sizes_list: list[int] | None = None) -> dict[str, Any]:
     out = tmp / "sweep.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("FABRIC_")}
     env.update(FABRIC_EFA_PROVIDER=provider, FI_TCP_IFACE="lo")
-    sizes = ",".join(str(s) for s in [PING, *SIZES])
+    sizes = ",".join(str(s) for s in (sizes_list or [PING, *SIZES]))
     cmd = [sys.executable, "-m", "fabric_core.cli", "bench", "--backend", "efa", "--nics", "1"]
     subprocess.run([*cmd, "--sizes", sizes, "--json", str(out)], env=env, check=True, timeout=900)
     result: dict[str, Any] = json.loads(out.read_text())
@@ -75,6 +86,16 @@ def _peers(python: str) -> list[dict[str, Any]]:
     return rows
 
 
+def _collect_peers(
+    python: str, runs: dict[tuple[str, int], list[float]], meta: dict[str, dict[str, Any]]
+) -> None:
+    """One repetition of the peers: each row's GB/s appended to ``runs`` under (label, size)."""
+    for row in _peers(python):
+        label = _peer_label(row)
+        runs.setdefault((label, row["size"]), []).append(row["gbytes_per_s"])
+        meta[label] = {k: row[k] for k in ("peer", "version", "transport") if k in row}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("ceiling")
@@ -82,14 +103,27 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--providers", default="shm,tcp")
     ap.add_argument("--peers-python", help="python of the environment the peers are installed in")
+    ap.add_argument("--paired", action="store_true", help="ratios within size-by-size pairs (see above)")
     args = ap.parse_args()
     med = statistics.median
-    report: dict[str, Any] = {"sizes": SIZES, "reps": args.reps, "providers": {}, "peers": {}}
+    report: dict[str, Any] = {
+        "sizes": SIZES,
+        "reps": args.reps,
+        "method": "paired" if args.paired else "sweeps",
+        "providers": {},
+        "peers": {},
+    }
     peer_runs: dict[tuple[str, int], list[float]] = {}
     peer_meta: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for tag in args.providers.split(","):
             provider = PROVIDERS[tag]
+            if args.paired:
+                report["providers"][tag] = _paired(args.ceiling, provider, args.reps, Path(tmp))
+                if args.peers_python and tag == "tcp":
+                    for _ in range(args.reps):
+                        _collect_peers(args.peers_python, peer_runs, peer_meta)
+                continue
             runs: dict[str, dict[int, list[float]]] = {
                 k: {s: [] for s in [PING, *SIZES]}
                 for k in ("ceil", "ceil_dc", "fabric", "fabric_rtt", "ceil_wps", "ceil_dc_wps")
@@ -113,10 +147,7 @@ def main() -> int:
                 paged.append(f["paged"]["pages_per_s"])
                 submit.append(f["submit_cost_us"])
                 if args.peers_python and tag == "tcp":  # the peers run over TCP on loopback
-                    for row in _peers(args.peers_python):
-                        label = _peer_label(row)
-                        peer_runs.setdefault((label, row["size"]), []).append(row["gbytes_per_s"])
-                        peer_meta[label] = {k: row[k] for k in ("peer", "version", "transport") if k in row}
+                    _collect_peers(args.peers_python, peer_runs, peer_meta)
             rows = []
             for s in SIZES:
                 fab = med(runs["fabric"][s])
@@ -156,10 +187,14 @@ def main() -> int:
     for tag, p in report["providers"].items():
         for r in p["rows"]:
             ceil, dc = r["ceiling_gbytes_per_s"], r["ceiling_delivery_gbytes_per_s"]
+            spread = ""
+            if "ratio_pairs" in r:
+                pairs, hit = r["ratio_pairs"], r["pairs_at_target"]
+                spread = f" pairs {min(pairs):.2f}-{max(pairs):.2f}, {hit}/{len(pairs)} >= 0.9"
             sys.stdout.write(
                 f"{tag:4} {r['size']:>9} B  fabric {r['fabric_gbytes_per_s']:7.3f} GB/s  "
                 f"ceiling {ceil:7.3f} (delivery {dc:7.3f})  ratio {r['ratio']:.2f} "
-                f"({r['ratio_delivery']:.2f})"
+                f"({r['ratio_delivery']:.2f}){spread}"
                 f"  rtt {r['fabric_round_trip_us_p50']:.0f} us\n"
             )
         sys.stdout.write(
@@ -172,6 +207,91 @@ def main() -> int:
         for r in entry["rows"]:
             sys.stdout.write(f"{peer:13} {r['size']:>9} B  {r['gbytes_per_s']:7.3f} GB/s\n")
     return 0
+
+
+def _paired(binary: str, provider: str, reps: int, tmp: Path) -> dict[str, Any]:
+    """One provider's entry, measured size by size in pairs (``--paired``)."""
+    med = statistics.median
+    keys = ("ceil", "ceil_dc", "fabric", "ratio", "ratio_dc", "fabric_rtt")
+    per: dict[str, dict[int, list[float]]] = {k: {s: [] for s in SIZES} for k in keys}
+    paged: dict[str, list[float]] = {"fabric": [], "ratio": [], "ratio_dc": [], "ceil": [], "ceil_dc": []}
+    rtt: dict[str, list[float]] = {"fabric": [], "ceil": [], "ceil_dc": [], "target": [], "margin": []}
+    submit: list[float] = []
+    for rep in range(reps):
+        for s in SIZES:
+            steps = ["ceil", "ceil_dc", "fabric"]
+            if (rep + SIZES.index(s)) % 2:
+                steps.reverse()
+            got: dict[str, Any] = {}
+            for step in steps:
+                if step == "fabric":
+                    got[step] = _fabric(provider, tmp, [PING, s])
+                else:
+                    got[step] = _ceiling_sizes(binary, provider, step == "ceil_dc", [s])
+            fab = {r["size"]: r for r in got["fabric"]["results"]}
+            ceil, dc = got["ceil"]["bandwidth"][s], got["ceil_dc"]["bandwidth"][s]
+            f_gb = fab[s]["bandwidth_gbytes_per_s"]
+            per["ceil"][s].append(ceil["gbytes_per_s"])
+            per["ceil_dc"][s].append(dc["gbytes_per_s"])
+            per["fabric"][s].append(f_gb)
+            per["ratio"][s].append(f_gb / ceil["gbytes_per_s"])
+            per["ratio_dc"][s].append(f_gb / dc["gbytes_per_s"])
+            per["fabric_rtt"][s].append(fab[s]["latency_us_p50"])
+            ping, ceil_ping = fab[PING]["latency_us_p50"], got["ceil"]["rtt_us_p50"]
+            if ceil_ping is not None:
+                rtt["fabric"].append(ping)
+                rtt["ceil"].append(ceil_ping)
+                rtt["target"].append(2 * ceil_ping + 5)
+                rtt["margin"].append(ping / (2 * ceil_ping + 5))
+            if got["ceil_dc"]["rtt_us_p50"] is not None:
+                rtt["ceil_dc"].append(got["ceil_dc"]["rtt_us_p50"])
+            submit.append(got["fabric"]["submit_cost_us"])
+            if s == 4096:  # the paged rate against the 4 KiB writes/s of its own pair
+                pages = got["fabric"]["paged"]["pages_per_s"]
+                paged["fabric"].append(pages)
+                paged["ceil"].append(ceil["mwrites_per_s"] * 1e6)
+                paged["ceil_dc"].append(dc["mwrites_per_s"] * 1e6)
+                paged["ratio"].append(pages / (ceil["mwrites_per_s"] * 1e6))
+                paged["ratio_dc"].append(pages / (dc["mwrites_per_s"] * 1e6))
+            sys.stderr.write(f"{provider} rep {rep + 1} {s} B: ratio {per['ratio'][s][-1]:.2f}\n")
+    rows = []
+    for s in SIZES:
+        pairs = per["ratio"][s]
+        rows.append(
+            {
+                "size": s,
+                "ceiling_gbytes_per_s": med(per["ceil"][s]),
+                "ceiling_delivery_gbytes_per_s": med(per["ceil_dc"][s]),
+                "fabric_gbytes_per_s": med(per["fabric"][s]),
+                "ratio": med(pairs),
+                "ratio_delivery": med(per["ratio_dc"][s]),
+                "ratio_pairs": pairs,
+                "ratio_delivery_pairs": per["ratio_dc"][s],
+                "ceiling_pairs": per["ceil"][s],
+                "fabric_pairs": per["fabric"][s],
+                "pairs_at_target": sum(r >= 0.9 for r in pairs),
+                "fabric_round_trip_us_p50": med(per["fabric_rtt"][s]),
+            }
+        )
+    return {
+        "provider": provider,
+        "rows": rows,
+        "paged_pages_per_s": med(paged["fabric"]),
+        "ceiling_4k_writes_per_s": med(paged["ceil"]),
+        "paged_ratio": med(paged["ratio"]),
+        "paged_ratio_pairs": paged["ratio"],
+        "ceiling_delivery_4k_writes_per_s": med(paged["ceil_dc"]),
+        "paged_ratio_delivery": med(paged["ratio_dc"]),
+        "paged_ratio_delivery_pairs": paged["ratio_dc"],
+        "submit_cost_us": med(submit),
+        "submit_cost_us_runs": submit,
+        "ceiling_imm_round_trip_us_p50": med(rtt["ceil"]),
+        "ceiling_delivery_imm_round_trip_us_p50": med(rtt["ceil_dc"]) if rtt["ceil_dc"] else None,
+        "round_trip_target_us": med(rtt["target"]),
+        "fabric_imm_round_trip_us_p50": med(rtt["fabric"]),
+        # each pair's round trip over its own target (2 x that pair's ceiling + 5 us): <= 1 meets it
+        "round_trip_over_target_pairs": rtt["margin"],
+    }
 
 
 def _plot(report: dict[str, Any], out: Path) -> None:
