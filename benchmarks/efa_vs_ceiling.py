@@ -45,16 +45,12 @@ def _lines(cmd: list[str], env: dict[str, str]) -> list[dict[str, Any]]:
     return [json.loads(line) for line in out.splitlines() if line.strip()]
 
 
-def _ceiling_sizes(binary: str, provider: str, delivery: bool, sizes: list[int]) -> dict[str, Any]:
+def _ceiling(binary: str, provider: str, delivery: bool, sizes: list[int] = SIZES) -> dict[str, Any]:
     cmd = [binary, "-p", provider, "-s", ",".join(str(s) for s in sizes), "-r", "3"]
     rows = _lines([*cmd, *(["-d"] if delivery else [])], {**os.environ, "FI_TCP_IFACE": "lo"})
     bw = {r["size"]: r for r in rows if r["kind"] == "bandwidth"}
     rtt = [r["rtt_us_p50"] for r in rows if r["kind"] == "imm_round_trip"]
     return {"bandwidth": bw, "rtt_us_p50": rtt[0] if rtt else None}
-
-
-def _ceiling(binary: str, provider: str, delivery: bool) -> dict[str, Any]:
-    return _ceiling_sizes(binary, provider, delivery, SIZES)
 
 
 def _fabric(provider: str, tmp: Path, sizes_list: list[int] | None = None) -> dict[str, Any]:
@@ -215,7 +211,7 @@ def _paired(binary: str, provider: str, reps: int, tmp: Path) -> dict[str, Any]:
     keys = ("ceil", "ceil_dc", "fabric", "ratio", "ratio_dc", "fabric_rtt")
     per: dict[str, dict[int, list[float]]] = {k: {s: [] for s in SIZES} for k in keys}
     paged: dict[str, list[float]] = {"fabric": [], "ratio": [], "ratio_dc": [], "ceil": [], "ceil_dc": []}
-    rtt: dict[str, list[float]] = {"fabric": [], "ceil": [], "ceil_dc": [], "target": [], "margin": []}
+    rtt: dict[str, list[float]] = {"fabric": [], "ceil": [], "ceil_dc": [], "margin": []}
     submit: list[float] = []
     for rep in range(reps):
         for s in SIZES:
@@ -227,7 +223,7 @@ def _paired(binary: str, provider: str, reps: int, tmp: Path) -> dict[str, Any]:
                 if step == "fabric":
                     got[step] = _fabric(provider, tmp, [PING, s])
                 else:
-                    got[step] = _ceiling_sizes(binary, provider, step == "ceil_dc", [s])
+                    got[step] = _ceiling(binary, provider, step == "ceil_dc", [s])
             fab = {r["size"]: r for r in got["fabric"]["results"]}
             ceil, dc = got["ceil"]["bandwidth"][s], got["ceil_dc"]["bandwidth"][s]
             f_gb = fab[s]["bandwidth_gbytes_per_s"]
@@ -241,7 +237,6 @@ def _paired(binary: str, provider: str, reps: int, tmp: Path) -> dict[str, Any]:
             if ceil_ping is not None:
                 rtt["fabric"].append(ping)
                 rtt["ceil"].append(ceil_ping)
-                rtt["target"].append(2 * ceil_ping + 5)
                 rtt["margin"].append(ping / (2 * ceil_ping + 5))
             if got["ceil_dc"]["rtt_us_p50"] is not None:
                 rtt["ceil_dc"].append(got["ceil_dc"]["rtt_us_p50"])
@@ -287,7 +282,7 @@ def _paired(binary: str, provider: str, reps: int, tmp: Path) -> dict[str, Any]:
         "submit_cost_us_runs": submit,
         "ceiling_imm_round_trip_us_p50": med(rtt["ceil"]),
         "ceiling_delivery_imm_round_trip_us_p50": med(rtt["ceil_dc"]) if rtt["ceil_dc"] else None,
-        "round_trip_target_us": med(rtt["target"]),
+        "round_trip_target_us": 2 * med(rtt["ceil"]) + 5,
         "fabric_imm_round_trip_us_p50": med(rtt["fabric"]),
         # each pair's round trip over its own target (2 x that pair's ceiling + 5 us): <= 1 meets it
         "round_trip_over_target_pairs": rtt["margin"],
