@@ -26,7 +26,10 @@ are held back from the completion thread (which would take the GIL just as that 
 returns to Python) for a bounded time, and a thread that drains takes them itself. Case 15:
 while a thread spins on a counter the worker steps aside (the spinner is the only poller), and
 the last spinner to stop hands progress back to it where work is in flight or the waiter goes
-to sleep, not where it leaves satisfied with nothing in flight.
+to sleep, not where it leaves satisfied with nothing in flight. Case 16: a step that completed
+nothing but kept the provider busy (tcp reading a write's bytes in the target's polls) counts
+as work, so the worker does not nap between such polls, and naps again once they are quick;
+meanwhile a dump still gets the progress lock (the worker lets a waiting thread in).
 (``nox -s sanitize`` runs it under ThreadSanitizer too.)
 """
 
@@ -78,6 +81,11 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "15",
             "the worker stepped aside yes, pollers in a window 1 (the spinner's: yes); hand-backs: "
             "satisfied idle 0, with work in flight 1, to sleep 1",
+        ),
+        (
+            "16",
+            "naps in 100 ms idle some, with polls busy 0 (steps counted as work: some), "
+            "with quick polls again some; dumps refused the lock 0",
         ),
     ],
 )

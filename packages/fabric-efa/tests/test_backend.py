@@ -459,6 +459,22 @@ def test_dump_state_lists_an_access_check_while_it_is_out() -> None:
         assert (dst[64:] == 0).all() and b.counter(2).value == 0
 
 
+def test_a_tcp_target_counts_the_polls_that_read_a_write_as_work() -> None:
+    """Over tcp the target's provider reads a write's bytes off its socket in the target's
+    polls, and only the last of them completes anything. The worker counts such polls as work
+    (``dump_state()["provider_steps"]``) instead of napping between them (``liveness.cpp``
+    case 16 holds the rule with a fake NIC). Here, through the binding and the real provider:
+    four 16 MiB writes land whole, their imms counted, and the target counted such steps."""
+    size = 16 << 20
+    with _connected("tcp;ofi_rxm", size) as (a, b, src, dst, src_mr, d):
+        before = b.dump_state()["provider_steps"]
+        for _ in range(4):
+            a.submit_write(src_mr, 0, size, d, 0, imm=2).wait(30)
+        b.counter(2).wait(4, 10)
+        assert (dst == src).all()
+        assert b.dump_state()["provider_steps"] > before
+
+
 def test_progress_goes_back_to_the_worker_after_a_spinning_wait() -> None:
     """While a thread spins in ``ImmCounter.wait`` it runs the engine's progress steps and the
     worker steps aside; the last spinner to stop hands progress back where it must

@@ -222,6 +222,11 @@ class FakeNic {
 
     template <class Sink>
     size_t poll(Sink& sink) {
+        if (int us = poll_work_us.load(); us > 0) {  // as tcp reading a write's bytes: busy, nothing done
+            for (auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(us);
+                 std::chrono::steady_clock::now() < until;) {
+            }
+        }
         std::deque<Event> batch;
         {
             std::lock_guard<std::mutex> lock(mu_);
@@ -374,6 +379,7 @@ class FakeNic {
     std::atomic<bool> hang_posts{false};  // while set, post_write does not return
     std::atomic<int> write_credits{-1};   // >= 0: post_write takes one, none left: -EAGAIN
     std::atomic<bool> refill_on_poll{false};  // with no credits left: each poll gives one back
+    std::atomic<int> poll_work_us{0};  // > 0: every poll busies itself this long first
     std::atomic<bool> record_writes{false};  // while set, accepted_to() lists where writes went
     std::atomic<bool> hold_write_done{false};  // while set, landed writes are not reported
     std::atomic<int> hanging{0};          // threads inside such a post_write

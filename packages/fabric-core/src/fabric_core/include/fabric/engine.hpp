@@ -153,10 +153,6 @@ bool lock_by(Lock& lock, Clock::time_point deadline) {
     return lock.try_lock_until(deadline);
 #endif
 }
-template <class Lock, class Rep, class Period>
-bool lock_within(Lock& lock, std::chrono::duration<Rep, Period> wait) {
-    return lock_by(lock, Clock::now() + std::chrono::duration_cast<Clock::duration>(wait));
-}
 
 // A domain's poll reports an imm's source as the peer handle insert_peer gave for it, or
 // this where it cannot tell (no FI_SOURCE, a source not in the address vector).
@@ -412,6 +408,9 @@ struct EngineDump {
     bool worker_deferring = false;  // the worker naps while a spinner runs the steps (Engine::defer)
     uint64_t spinner_wakes = 0;     // times the last spinner to stop handed progress back to it
                                     // (work in flight, or a waiter gone to sleep: Engine::spinning)
+    uint64_t worker_naps = 0;     // naps the worker took, idle or on stalled work (Engine::run)
+    uint64_t provider_steps = 0;  // steps that completed nothing but moved bytes in the
+                                  // provider, so counted as work (Engine::provider_worked)
     // >= 0: the progress lock stayed taken (a provider call that does not return, see
     // Engine::close) and the rest is empty; how long the step holding it has run, in seconds
     double progress_stuck_s = -1.0;
@@ -752,7 +751,7 @@ class Engine {
     std::vector<PeerTrafficView> peer_traffic() {
         std::unique_lock<std::timed_mutex> lock(progress_mu_, std::defer_lock);
         std::vector<PeerTrafficView> out;
-        if (!lock_within(lock, kDiagnosticWait)) return out;
+        if (!take_progress(lock, Clock::now() + kDiagnosticWait)) return out;
         for (const auto& [addr, p] : peer_state_)
             if (p.wrs + p.errors + p.inflight > 0) out.push_back(PeerTrafficView{addr, p.wrs, p.bytes, p.errors, p.inflight});
         return out;
@@ -792,7 +791,7 @@ class Engine {
         std::unique_lock<std::timed_mutex> lock(progress_mu_, std::defer_lock);
         if (timeout_s < 0) {
             lock.lock();
-        } else if (!lock_within(lock, to_duration(std::min(timeout_s, 1e6)))) {
+        } else if (!take_progress(lock, Clock::now() + to_duration(std::min(timeout_s, 1e6)))) {
             throw std::runtime_error("the engine's progress has been inside a provider call for " +
                                      std::to_string(stuck_for()).substr(0, 6) +
                                      " s (a wedged engine); nothing was cancelled");
@@ -831,7 +830,7 @@ class Engine {
         {
             // bounded: a wedged worker (see close()) holds this lock for good
             std::unique_lock<std::timed_mutex> lock(progress_mu_, std::defer_lock);
-            if (!lock_by(lock, deadline)) return left;
+            if (!take_progress(lock, deadline)) return left;
             nonce = ++fence_nonce_;
             now_ = Clock::now();
             for (const auto& a : addresses) {
@@ -844,7 +843,7 @@ class Engine {
         while (true) {
             {
                 std::unique_lock<std::timed_mutex> lock(progress_mu_, std::defer_lock);
-                if (!lock_by(lock, deadline)) {
+                if (!take_progress(lock, deadline)) {
                     stuck = true;
                     break;
                 }
@@ -866,7 +865,7 @@ class Engine {
             std::this_thread::sleep_for(std::chrono::microseconds(50));
         }
         std::unique_lock<std::timed_mutex> lock(progress_mu_, std::defer_lock);
-        if (stuck && !lock_within(lock, kDiagnosticWait)) {  // the worker drops its entry at its next tick
+        if (stuck && !take_progress(lock, Clock::now() + kDiagnosticWait)) {  // the worker drops its entry at its next tick
             std::lock_guard<std::mutex> dropped(dropped_mu_);
             dropped_fences_.push_back(nonce);
             return left;
@@ -896,7 +895,7 @@ class Engine {
     EngineDump dump() {
         std::unique_lock<std::timed_mutex> lock(progress_mu_, std::defer_lock);
         EngineDump out;
-        if (!lock_within(lock, kDiagnosticWait)) {
+        if (!take_progress(lock, Clock::now() + kDiagnosticWait)) {
             out.progress_stuck_s = stuck_for();
             return out;
         }
@@ -913,6 +912,8 @@ class Engine {
         out.counter_spinners = spinners_.load(std::memory_order_seq_cst);
         out.worker_deferring = deferring_.load(std::memory_order_seq_cst);
         out.spinner_wakes = spinner_wakes_.load(std::memory_order_relaxed);
+        out.worker_naps = worker_naps_.load(std::memory_order_relaxed);
+        out.provider_steps = provider_steps_.load(std::memory_order_relaxed);
         out.drainers = drainers_.load(std::memory_order_seq_cst);
         for (const auto& c : access_checks_) out.access_checks.push_back({c.to, c.nic, c.key, secs(now - c.asked), c.ops.size()});
         for (const auto& [id, r] : live_) {
@@ -984,6 +985,8 @@ class Engine {
         // flight it keeps polling for incoming imms and messages, yielding between polls, for
         // kIdleSpin; then it sleeps in short naps (kNap, with a tight timer slack so a nap is
         // not stretched to the kernel's default 50 us), and a submit wakes it at once.
+        // A step that completed nothing but took far longer than an empty poll counts as work
+        // all the same (provider_worked): the provider moved bytes in it.
         using clock = std::chrono::steady_clock;
         // Build-time overrides (FABRIC_IDLE_SPIN_US etc.) are for measuring this policy.
         constexpr auto kIdleSpin = std::chrono::microseconds(FABRIC_IDLE_SPIN_US);
@@ -1005,24 +1008,29 @@ class Engine {
                 empty = 0;
                 continue;
             }
-            bool busy, inflight, full;
+            bool busy, inflight, full, chores;
+            clock::time_point started;
+            if (progress_wanted_.load(std::memory_order_relaxed) > 0) let_in();
             {
                 std::lock_guard<std::timed_mutex> lock(progress_mu_);
                 busy = step();
                 inflight = inflight_ > 0;
                 full = full_;
+                started = now_;
+                chores = chores_;
             }
-            if (busy) {
+            const auto now = busy ? clock::time_point{} : clock::now();
+            if (busy || provider_worked(now - started, chores)) {
                 empty = 0;
                 stall_nap = kNap;
                 continue;
             }
             // A full NIC that completed nothing waits on the peer (on shm, on the peer's own
             // progress): give the CPU away at once rather than spin against it.
-            if (++empty == 1) stalled_since = clock::now();
+            if (++empty == 1) stalled_since = now;
             if (empty < kPollsBeforeYield && !full) continue;
             if (inflight) {
-                if (clock::now() - stalled_since < kStallSpin) {
+                if (now - stalled_since < kStallSpin) {
                     std::this_thread::yield();
                 } else {
                     nap(stall_nap);
@@ -1030,8 +1038,8 @@ class Engine {
                 }
                 continue;
             }
-            if (empty == kPollsBeforeYield) last_work = clock::now();
-            if (clock::now() - last_work < kIdleSpin) {
+            if (empty == kPollsBeforeYield) last_work = now;
+            if (now - last_work < kIdleSpin) {
                 std::this_thread::yield();
                 continue;
             }
@@ -1055,11 +1063,57 @@ class Engine {
         bool busy = intake();
         busy |= post_pending();
         busy |= poll_all();
-        if (!pongs_.empty()) answer_fences();
-        if (now_ - last_tick_ >= kTick || !fences_.empty()) tick();
+        chores_ = !pongs_.empty();
+        if (chores_) answer_fences();
+        if (now_ - last_tick_ >= kTick || !fences_.empty()) {
+            chores_ = true;
+            tick();
+        }
         publish();
         work_left_.store(inflight_ > 0, std::memory_order_relaxed);
         return busy;
+    }
+
+    // The progress lock for a thread other than the worker, by ``deadline``: such a thread
+    // says it waits (progress_wanted_), and the worker lets it in (let_in()) rather than take
+    // the lock again the moment its step ends, which it does while its steps find work. A
+    // thread the lock's release woke would otherwise find it taken again, step after step: a
+    // dump() waited out its 200 ms against a worker whose every poll was busy.
+    bool take_progress(std::unique_lock<std::timed_mutex>& lock, Clock::time_point deadline) {
+        progress_wanted_.fetch_add(1, std::memory_order_seq_cst);
+        const bool taken = lock_by(lock, deadline);
+        progress_wanted_.fetch_sub(1, std::memory_order_seq_cst);
+        return taken;
+    }
+
+    // The worker, between steps, while another thread waits for the progress lock: gives it
+    // up to kLetIn to take it.
+    void let_in() {
+        const auto until = Clock::now() + kLetIn;
+        while (progress_wanted_.load(std::memory_order_seq_cst) > 0 && Clock::now() < until)
+            std::this_thread::yield();
+    }
+
+    // Whether the worker's last step, which completed nothing, still moved bytes: with manual
+    // data progress (tcp;ofi_rxm; on EFA, writes the device does not do in hardware) the
+    // provider reads a write's bytes off its sockets in the target's polls, and sends a large
+    // write's in the writer's, and only the poll that ends the write completes anything. Such a
+    // poll takes many times as long as an empty one (on tcp on the 2-core machine an empty
+    // step takes 0.5-1 us and one that reads or sends 4-100+ us; on shm, whose target copies
+    // a whole write in the poll that completes it, non-busy steps are nearly all under
+    // 0.5 us), so a step that takes kWorkedFactor times the quickest non-busy step yet (an
+    // empty one: how fast this host and provider poll), and at least kWorkedMin, counts as
+    // work: the worker neither naps nor backs off after it. Otherwise a target napping
+    // between the polls of one 16 MiB write on tcp held the writer's sends back (4.6-4.7 GB/s
+    // against 6.3-6.6 with this rule, three alternated pairs). Steps that ran the tick or
+    // answered fences do not count (``chores``): that work is the engine's own. ``took``: the
+    // step's time. The worker's alone.
+    bool provider_worked(Clock::duration took, bool chores) {
+        if (chores) return false;
+        if (took < empty_step_) empty_step_ = took;
+        if (took < std::max<Clock::duration>(kWorkedMin, empty_step_ * kWorkedFactor)) return false;
+        provider_steps_.fetch_add(1, std::memory_order_relaxed);
+        return true;
     }
 
     // Sleeps up to ``d`` while a thread spins on a counter (it runs the steps); the last
@@ -1078,6 +1132,7 @@ class Engine {
 
     // Sleeps up to ``d`` unless a submit is queued; submit() wakes a sleeping worker at once.
     void nap(std::chrono::microseconds d) {
+        worker_naps_.fetch_add(1, std::memory_order_relaxed);
         sleeping_.store(true, std::memory_order_seq_cst);
         if (queue_.empty()) {
             std::unique_lock<std::mutex> lock(wake_mu_);
@@ -2800,6 +2855,15 @@ class Engine {
     // long imms for other waiters and incoming messages may wait once a spinner went back to
     // Python with nothing in flight and did not wake it
     static constexpr std::chrono::microseconds kSpinnerNap{100};
+    // let_in(): the longest the worker holds off for a thread waiting on the progress lock
+    // (built with ThreadSanitizer, lock_by() polls the lock every 50 us)
+    static constexpr std::chrono::microseconds kLetIn{200};
+    // provider_worked(): a non-busy step that took kWorkedFactor x the quickest such step yet,
+    // and at least kWorkedMin, moved bytes in the provider
+    static constexpr std::chrono::microseconds kWorkedMin{2};
+    static constexpr int kWorkedFactor = 4;
+    Clock::duration empty_step_ = Clock::duration::max();  // (worker only)
+    bool chores_ = false;  // the last step ran the tick or answered fences (under progress_mu_)
     std::atomic<int64_t> held_since_{0};  // Clock ticks: completions held back since (0: none)
     std::atomic<bool> more_coming_{false};  // work was in flight at the last publication
     size_t inflight_ = 0;
@@ -2975,6 +3039,9 @@ class Engine {
     std::atomic<bool> deferring_{false};  // the worker naps because a thread spins (defer())
     std::atomic<bool> work_left_{false};  // work in flight after the last step (spinning())
     std::atomic<uint64_t> spinner_wakes_{0};  // (dump)
+    std::atomic<uint64_t> worker_naps_{0};     // (dump)
+    std::atomic<int> progress_wanted_{0};      // threads in take_progress() (let_in())
+    std::atomic<uint64_t> provider_steps_{0};  // steps provider_worked() counted (dump)
     std::mutex exit_mu_;          // exited_: the worker has left run() (close() waits on exit_cv_)
     std::condition_variable exit_cv_;
     bool exited_ = false;

@@ -441,6 +441,8 @@ class PyEngine {
             d["drainers"] = e.drainers;
             d["worker_deferring"] = e.worker_deferring;
             d["spinner_wakes"] = e.spinner_wakes;
+            d["worker_naps"] = e.worker_naps;
+            d["provider_steps"] = e.provider_steps;
         }
         d["requests"] = requests;
         d["peers"] = peers;
