@@ -985,8 +985,9 @@ class Engine {
         // flight it keeps polling for incoming imms and messages, yielding between polls, for
         // kIdleSpin; then it sleeps in short naps (kNap, with a tight timer slack so a nap is
         // not stretched to the kernel's default 50 us), and a submit wakes it at once.
-        // A step that completed nothing but took far longer than an empty poll counts as work
-        // all the same (provider_worked): the provider moved bytes in it.
+        // A step that completed nothing but took far longer than an empty poll moved bytes in
+        // the provider (provider_worked): it starts the stall and idle spins afresh, so no nap
+        // comes while such steps go on.
         using clock = std::chrono::steady_clock;
         // Build-time overrides (FABRIC_IDLE_SPIN_US etc.) are for measuring this policy.
         constexpr auto kIdleSpin = std::chrono::microseconds(FABRIC_IDLE_SPIN_US);
@@ -1019,18 +1020,23 @@ class Engine {
                 started = now_;
                 chores = chores_;
             }
-            const auto now = busy ? clock::time_point{} : clock::now();
-            if (busy || provider_worked(now - started, chores)) {
+            if (busy) {
                 empty = 0;
                 stall_nap = kNap;
                 continue;
             }
+            const auto now = clock::now();
+            // A step that moved bytes in the provider puts off the naps, not the yields. (The
+            // spins below are timed to the start of this step: a step that ran the tick takes
+            // the provider's time too, and is not a nap's reason.)
+            const bool worked = provider_worked(now - started, chores);
+            if (worked) stall_nap = kNap;
             // A full NIC that completed nothing waits on the peer (on shm, on the peer's own
             // progress): give the CPU away at once rather than spin against it.
-            if (++empty == 1) stalled_since = now;
+            if (++empty == 1 || worked) stalled_since = now;
             if (empty < kPollsBeforeYield && !full) continue;
             if (inflight) {
-                if (now - stalled_since < kStallSpin) {
+                if (started - stalled_since < kStallSpin) {
                     std::this_thread::yield();
                 } else {
                     nap(stall_nap);
@@ -1038,8 +1044,8 @@ class Engine {
                 }
                 continue;
             }
-            if (empty == kPollsBeforeYield) last_work = now;
-            if (now - last_work < kIdleSpin) {
+            if (empty == kPollsBeforeYield || worked) last_work = now;
+            if (started - last_work < kIdleSpin) {
                 std::this_thread::yield();
                 continue;
             }
@@ -1103,7 +1109,7 @@ class Engine {
     // a whole write in the poll that completes it, non-busy steps are nearly all under
     // 0.5 us), so a step that takes kWorkedFactor times the quickest non-busy step yet (an
     // empty one: how fast this host and provider poll), and at least kWorkedMin, counts as
-    // work: the worker neither naps nor backs off after it. Otherwise a target napping
+    // work: no nap (idle or stalled) comes while such steps go on. Otherwise a target napping
     // between the polls of one 16 MiB write on tcp held the writer's sends back (4.6-4.7 GB/s
     // against 6.3-6.6 with this rule, three alternated pairs). Steps that ran the tick or
     // answered fences do not count (``chores``): that work is the engine's own. ``took``: the
