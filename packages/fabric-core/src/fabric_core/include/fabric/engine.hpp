@@ -1110,8 +1110,9 @@ class Engine {
     // 0.5 us), so a step that takes kWorkedFactor times the quickest non-busy step yet (an
     // empty one: how fast this host and provider poll), and at least kWorkedMin, counts as
     // work: no nap (idle or stalled) comes while such steps go on. Otherwise a target napping
-    // between the polls of one 16 MiB write on tcp held the writer's sends back (4.6-4.7 GB/s
-    // against 6.3-6.6 with this rule, three alternated pairs). Steps that ran the tick or
+    // between the polls of one 16 MiB write on tcp held the writer's sends back (4.6-4.9 GB/s
+    // against 6.0-6.6 with this rule, alternated pairs; docs/backends/efa.md, "A poll that
+    // moved bytes, measured"). Steps that ran the tick or
     // answered fences do not count (``chores``): that work is the engine's own. ``took``: the
     // step's time. The worker's alone.
     bool provider_worked(Clock::duration took, bool chores) {
