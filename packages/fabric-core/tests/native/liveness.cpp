@@ -962,16 +962,13 @@ void a_busy_provider_keeps_the_worker_polling() {
     FakeFabric fabric;
     auto e = fabric_test::open_engine(fabric, "w", 1, std::make_shared<CounterTable>(), false);
     int refused = 0;  // dumps that did not get the progress lock within their 200 ms
-    auto naps = [&e, &refused] {
+    auto dump = [&e, &refused] {
         auto d = e->dump();
         refused += d.progress_stuck_s >= 0;
-        return d.worker_naps;
+        return d;
     };
-    auto worked = [&e, &refused] {
-        auto d = e->dump();
-        refused += d.progress_stuck_s >= 0;
-        return d.provider_steps;
-    };
+    auto naps = [&dump] { return dump().worker_naps; };
+    auto worked = [&dump] { return dump().provider_steps; };
     auto over = [](const std::function<uint64_t()>& count, int ms) {
         uint64_t before = count();
         std::this_thread::sleep_for(std::chrono::milliseconds(ms));
