@@ -173,8 +173,6 @@ def _run(provider: str, scenario: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
-    if scenario == "decode_killed":
-        store.set("fault-done", b"1")  # the prefill goes on at once; A is dying meanwhile
     ctx = mp.get_context("spawn")
     os.environ.setdefault("FI_TCP_IFACE", "lo")
     roles: list[tuple[str, Any, tuple[Any, ...]]] = [
@@ -193,6 +191,12 @@ def _run(provider: str, scenario: str) -> dict[str, Any]:
         there.close()
     out: dict[str, Any] = {}
     try:
+        if scenario == "decode_killed":
+            # The prefill writes layers 2.. only once A is dead, so those writes meet a dead
+            # peer. Letting it go on while A was still dying raced A's exit: on a loaded
+            # machine the whole request could land before A died, and the job ended well.
+            procs[1].join(T)
+            store.set("fault-done", b"1")
         for (name, _, _), (here, _) in zip(roles, pipes, strict=True):
             assert here.poll(3 * T), f"{name} hung"
             try:
