@@ -10,6 +10,8 @@
 # REPS > 0 (default 3), benchmarks/efa_vs_ceiling.py on new against fi_ceiling.c built here
 # (PROVIDERS, default shm,tcp), and with BASE_CEILING=1 the same on base. Writes $OUT/ab.tgz
 # (rtt-PROVIDER-{new,base}-ROUND.{json,log}, ab_rtt.txt, lscpu.txt, ceiling-{new,base}/).
+# With CPUS (a taskset list, e.g. 0,1) the A/B rounds run on those CPUs only: a small host's
+# core count on a quieter machine.
 #   bash benchmarks/device/ab_rtt.sh ROUNDS
 set -u
 R=$PWD; rounds=${1:-6}
@@ -18,6 +20,7 @@ export FI_TCP_IFACE=lo OMP_NUM_THREADS=1
 py=$R/packages/fabric-core/src:$R/packages/fabric-sim/src:$R/packages/fabric-apps/src
 res=/tmp/rttab && rm -rf $res && mkdir -p $res
 lscpu > $res/lscpu.txt
+pin=(); [ -n "${CPUS:-}" ] && pin=(taskset -c "$CPUS")
 summary() {  # per size: round-trip median (us), GB/s, writes/s; then paged pages/s
   python3 - "$1" <<'EOF'
 import json, sys
@@ -34,7 +37,7 @@ for prov in ${BENCH_PROVIDERS:-shm}; do
       path=$py; [ $tag = base ] && path=/tmp/base-efa:$py
       [ $tag = base ] && [ "${BASE_PYTHON:-0}" = 1 ] && path=/tmp/base-efa:/tmp/base/packages/fabric-core/src:$py
       f=$res/rtt-$prov-$tag-$i
-      FABRIC_EFA_PROVIDER=$fi_prov PYTHONPATH=$path timeout 120 python3 -m fabric_core.cli bench --backend efa \
+      FABRIC_EFA_PROVIDER=$fi_prov PYTHONPATH=$path timeout 120 "${pin[@]}" python3 -m fabric_core.cli bench --backend efa \
         --nics 1 --sizes "${SIZES:-8,4K}" --json $f.json > $f.log 2>&1
       echo "$prov $tag $i: $(summary $f.json 2>&1 | tail -1)" | tee -a $res/ab_rtt.txt
     done

@@ -273,6 +273,10 @@ class LibfabricDomain {
         inject_rng_ = seed;
     }
     bool virt_addr() const { return (info_->domain_attr->mr_mode & FI_MR_VIRT_ADDR) != 0; }
+    // shm: the target's own polls move a write's bytes (copied out of the inject buffer or
+    // out of the writer's memory with CMA), so an idle target worker lingers after work
+    // (Engine::run). tcp's kernel and EFA's device move them without the target's polls.
+    bool target_copies() const { return shm_; }
     bool local_mr() const { return (info_->domain_attr->mr_mode & FI_MR_LOCAL) != 0; }
 
     uint64_t insert_peer(const std::string& address) {

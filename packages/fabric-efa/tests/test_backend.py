@@ -475,6 +475,34 @@ def test_a_tcp_target_counts_the_polls_that_read_a_write_as_work() -> None:
         assert b.dump_state()["provider_steps"] > before
 
 
+def test_a_shm_target_counts_its_yields_and_paged_writes_land_exactly() -> None:
+    """On shm the target's own polls copy the writes to it (the domain's ``target_copies``), so
+    its idle worker polls on for a few microseconds after work while its yields find no other
+    thread waiting for the CPU (docs/backends/efa.md, "An idle shm target lingers"). Through
+    the binding: three paged writes of 1,024 pages of 4 KiB to a shuffled page order land byte
+    for byte with every page's imm counted, and the target's dump counts its yields
+    (``worker_yields``) and, of them, the ones no other thread took the CPU in
+    (``lone_yields``)."""
+    import time
+
+    import numpy as np
+
+    pages, page = 1024, 4096
+    with _connected("shm", pages * page) as (a, b, src, dst, src_mr, d):
+        before = b.dump_state()
+        order = np.random.default_rng(5).permutation(pages).astype(np.int64)
+        start = np.arange(pages, dtype=np.int64)
+        for _ in range(3):
+            a.submit_paged_write(src_mr, start, page, d, order, page, page, imm=7).wait(30)
+        b.counter(7).wait(3 * pages, 10)  # (consumes them)
+        time.sleep(0.01)  # the target's worker, idle now, yields before it naps
+        after = b.dump_state()
+        assert (dst.reshape(pages, page)[order] == src.reshape(pages, page)).all()
+        assert b.counter(7).value == 0  # not one imm more
+        yields = after["worker_yields"] - before["worker_yields"]
+        assert yields > 0 and 0 <= after["lone_yields"] - before["lone_yields"] <= yields
+
+
 def test_progress_goes_back_to_the_worker_after_a_spinning_wait() -> None:
     """While a thread spins in ``ImmCounter.wait`` it runs the engine's progress steps and the
     worker steps aside; the last spinner to stop hands progress back where it must

@@ -442,6 +442,8 @@ class PyEngine {
             d["worker_deferring"] = e.worker_deferring;
             d["spinner_wakes"] = e.spinner_wakes;
             d["worker_naps"] = e.worker_naps;
+            d["worker_yields"] = e.worker_yields;
+            d["lone_yields"] = e.lone_yields;
             d["provider_steps"] = e.provider_steps;
         }
         d["requests"] = requests;
