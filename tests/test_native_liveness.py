@@ -29,7 +29,9 @@ the last spinner to stop hands progress back to it where work is in flight or th
 to sleep, not where it leaves satisfied with nothing in flight. Case 16: a step that completed
 nothing but kept the provider busy (tcp reading a write's bytes in the target's polls) counts
 as work, so the worker does not nap between such polls, and naps again once they are quick;
-meanwhile a dump still gets the progress lock (the worker lets a waiting thread in).
+meanwhile a dump still gets the progress lock (the worker lets a waiting thread in). Case 17:
+a target whose polls move the writes' bytes (``target_copies``, as on shm) lingers after
+work while its yields find the CPU free, counts every write once, and still naps once idle.
 (``nox -s sanitize`` runs it under ThreadSanitizer too.)
 """
 
@@ -86,6 +88,11 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "16",
             "naps in 100 ms idle some, with polls busy 0 (steps counted as work: some), "
             "with quick polls again some; dumps refused the lock 0",
+        ),
+        (
+            "17",
+            "a copying target: 300 writes counted all, one more not counted; yields some, lone ones "
+            "within them yes; naps in 100 ms idle some",
         ),
     ],
 )

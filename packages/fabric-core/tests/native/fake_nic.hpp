@@ -33,9 +33,12 @@ namespace fabric_test {
 class FakeNic;
 
 struct FakeFabric {
+    FakeFabric() = default;
+    explicit FakeFabric(bool copying) : copies(copying) {}
     std::mutex mu;
     std::map<std::string, FakeNic*> nics;
     std::function<void(const std::string& to, const std::string& message)> on_send;  // (under mu)
+    const bool copies = false;  // its NICs say target_copies(), as shm's do (Engine::run lingers)
 };
 
 class FakeNic {
@@ -57,6 +60,7 @@ class FakeNic {
     }
 
     std::string address() const { return address_; }
+    bool target_copies() const { return fabric_.copies; }
     uint64_t insert_peer(const std::string& address) {
         {
             std::lock_guard<std::mutex> lock(fabric_.mu);

@@ -128,7 +128,7 @@ struct Pair {
     std::atomic<int> lost{0};
     std::thread completer;
 
-    Pair() {
+    explicit Pair(bool copying = false) : fabric(copying) {
         a->configure_liveness(kInterval, kTimeout, 1e12);
         completer = std::thread([this] {
             while (!stop.load()) {
@@ -992,10 +992,38 @@ void a_busy_provider_keeps_the_worker_polling() {
     CHECK(refused == 0);
     CHECK(idle_naps > 0 && busy_naps == 0 && busy_worked > 0 && quick_naps > 0);
 }
+
+// A target whose polls move the writes' bytes (target_copies, as on shm) lingers after work
+// while its yields find the CPU free (Engine::run), and still naps once idle: the linger
+// never keeps it spinning. Every write lands, counted once; its yields are counted, the lone
+// ones among them.
+void a_copying_target_lingers_and_still_naps() {
+    Pair p(/*copying=*/true);
+    constexpr int kWrites = 300;
+    for (int i = 0; i < kWrites; i++) p.write_imm(1700);
+    auto w = std::make_shared<CounterTable::Waiter>();
+    w->n = kWrites;
+    int rc = p.counters->enqueue(1700, w);
+    if (rc == fabric::kCountQueued) rc = p.counters->block(w, Clock::now() + std::chrono::seconds(5));
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // past its idle spin
+    const bool extra = p.counters->value(1700) != 0;  // (the wait consumed all kWrites)
+    auto d0 = p.a->dump();
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    auto d1 = p.a->dump();
+    const uint64_t naps = d1.worker_naps - d0.worker_naps;
+    std::printf("a copying target: %d writes counted %s, one more %s; yields %s, lone ones within them %s; "
+                "naps in 100 ms idle %s\n",
+                kWrites, rc == fabric::kCountOk ? "all" : "not all", extra ? "counted" : "not counted",
+                d1.worker_yields > 0 ? "some" : "none", d1.lone_yields <= d1.worker_yields ? "yes" : "no",
+                naps > 0 ? "some" : "none");
+    CHECK(rc == fabric::kCountOk && !extra);
+    CHECK(d1.worker_yields > 0 && d1.lone_yields <= d1.worker_yields);
+    CHECK(naps > 0);
+}
 }  // namespace
 
 int main(int argc, char** argv) {
-    std::string only = argc > 1 ? argv[1] : "";  // "1" to "16": that case alone
+    std::string only = argc > 1 ? argv[1] : "";  // "1" to "17": that case alone
     if (only.empty() || only == "1") answers_refused_for_a_while();
     if (only.empty() || only == "2") a_probe_left_over_from_an_earlier_wait();
     if (only.empty() || only == "3") a_peer_that_is_gone();
@@ -1012,6 +1040,7 @@ int main(int argc, char** argv) {
     if (only.empty() || only == "14") completions_wait_for_a_spinning_waiter();
     if (only.empty() || only == "15") the_worker_steps_aside_for_a_spinner();
     if (only.empty() || only == "16") a_busy_provider_keeps_the_worker_polling();
+    if (only.empty() || only == "17") a_copying_target_lingers_and_still_naps();
     std::printf("liveness: ok\n");
     return 0;
 }
