@@ -32,6 +32,8 @@ as work, so the worker does not nap between such polls, and naps again once they
 meanwhile a dump still gets the progress lock (the worker lets a waiting thread in). Case 17:
 a target whose polls move the writes' bytes (``target_copies``, as on shm) lingers after
 work while its yields find the CPU free, counts every write once, and still naps once idle.
+Case 18: the queue depth's byte allowance lets small writes to a peer go past the depth
+while they fit, but not while writes to another peer are posted too, and never list ops.
 (``nox -s sanitize`` runs it under ThreadSanitizer too.)
 """
 
@@ -93,6 +95,11 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "17",
             "a copying target: 300 writes counted all, one more not counted; yields some, lone ones "
             "within them yes; naps in 100 ms idle some",
+        ),
+        (
+            "18",
+            "byte allowance: 5 of 10 posted alone, 2 beside another peer's; lists posted 1 of 2, "
+            "a write behind one 0",
         ),
     ],
 )

@@ -16,7 +16,7 @@ from fabric_core.errors import BackendUnavailable, TransportError
 from fabric_core.settings import load_settings
 from fabric_core.transfer import Transfer
 from fabric_efa import EfaBackend
-from fabric_efa.engine import default_queue_depth
+from fabric_efa.engine import default_queue_bytes, default_queue_depth
 
 
 def test_missing_libfabric_is_backend_unavailable_with_the_install_hint(
@@ -51,29 +51,37 @@ def test_a_provider_that_is_not_here_is_unavailable_with_its_reason() -> None:
         registry.open_engine("efa", efa_provider="no-such-provider")
 
 
-@pytest.mark.parametrize(("provider", "default"), [("shm", 2), ("tcp;ofi_rxm", 256)])
+@pytest.mark.parametrize(("provider", "default", "allowance"), [("shm", 2, 4 << 20), ("tcp;ofi_rxm", 256, 0)])
 def test_the_queue_depth_is_the_providers_unless_the_settings_choose(
-    provider: str, default: int, monkeypatch: pytest.MonkeyPatch
+    provider: str, default: int, allowance: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``queue_depth`` None: 2 on shm (an RL update ~40% faster, docs/backends/efa.md), 256
-    elsewhere; a depth the settings give (keyword or FABRIC_QUEUE_DEPTH) wins, 0 included."""
-    monkeypatch.delenv("FABRIC_QUEUE_DEPTH", raising=False)
+    elsewhere; a depth the settings give (keyword or FABRIC_QUEUE_DEPTH) wins, 0 included.
+    The same for ``queue_bytes``, the byte allowance past the depth: 4 MiB on shm (a single
+    64 KiB stream keeps its target busy), none elsewhere."""
     assert default_queue_depth(provider) == default
+    assert default_queue_bytes(provider) == allowance
     other = 256 if default == 2 else 2  # the other provider's default
-    chosen: list[tuple[dict[str, Any], int]] = [({}, default), ({"queue_depth": 0}, 0)]
-    chosen += [({"queue_depth": 7}, 7), ({"queue_depth": other}, other)]
-    for overrides, depth in chosen:
-        e = registry.open_engine("efa", efa_provider=provider, **overrides)
+    for name, dflt, values, env in (
+        ("queue_depth", default, (0, 7, other), 5),
+        ("queue_bytes", allowance, (0, 12345), 65536),
+    ):
+        variable = f"FABRIC_{name.upper()}"
+        monkeypatch.delenv(variable, raising=False)
+        chosen: list[tuple[dict[str, Any], int]] = [({}, dflt)] + [({name: v}, v) for v in values]
+        for overrides, want in chosen:
+            e = registry.open_engine("efa", efa_provider=provider, **overrides)
+            try:
+                assert (getattr(e, name), e.domains[0].details[name]) == (want, want), overrides
+            finally:
+                e.close()
+        monkeypatch.setenv(variable, str(env))
+        e = registry.open_engine("efa", efa_provider=provider)
         try:
-            assert (e.queue_depth, e.domains[0].details["queue_depth"]) == (depth, depth), overrides
+            assert (getattr(e, name), e.domains[0].details[name]) == (env, env)
         finally:
             e.close()
-    monkeypatch.setenv("FABRIC_QUEUE_DEPTH", "5")
-    e = registry.open_engine("efa", efa_provider=provider)
-    try:
-        assert (e.queue_depth, e.domains[0].details["queue_depth"]) == (5, 5)
-    finally:
-        e.close()
+        monkeypatch.delenv(variable)
 
 
 @pytest.mark.parametrize("provider", ["shm", "tcp;ofi_rxm"])

@@ -111,7 +111,8 @@ class NativeEngine(EngineBase):
     ``guarded``: the provider's addresses name their process (shm), so writes to an endpoint
     closed in this process must fail before posting; subclasses then implement
     ``_is_closed`` and ``_mark_closed``. ``where`` names the transport in error messages.
-    ``queue_depth``: the backend's choice where ``settings.queue_depth`` makes none.
+    ``queue_depth``: the backend's choice where ``settings.queue_depth`` makes none, and
+    ``queue_bytes`` where ``settings.queue_bytes`` makes none (Engine::configure_queue).
     ``drain_max_pages``: a thread waiting on a paged transfer of host memory with more pages
     than this sleeps on it rather than draining (None: it always drains; see _fast_paged).
     """
@@ -126,6 +127,7 @@ class NativeEngine(EngineBase):
         guarded: bool = False,
         where: str = "",
         queue_depth: int = 256,
+        queue_bytes: int = 0,
         drain_max_pages: int | None = None,
     ) -> None:
         self._core = core
@@ -150,7 +152,8 @@ class NativeEngine(EngineBase):
         self._header = _HEADER.pack(len(self.address.raw)) + self.address.raw
         core.configure_liveness(settings.liveness_interval_s, settings.liveness_timeout_s, settings.timeout_s)
         self.queue_depth = queue_depth if settings.queue_depth is None else settings.queue_depth
-        core.configure_queue(self.queue_depth)
+        self.queue_bytes = queue_bytes if settings.queue_bytes is None else settings.queue_bytes
+        core.configure_queue(self.queue_depth, self.queue_bytes)
         self._stop = False
         self._completer = threading.Thread(
             target=self._complete, name=f"fabric-{capabilities.backend}-completion-{n}", daemon=True

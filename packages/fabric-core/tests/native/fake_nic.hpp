@@ -159,7 +159,12 @@ class FakeNic {
             push({Event::kError, ctx, 0, 0, 0, fabric::kRemoteAccess, "a page out of the registered region"});
         } else {
             writes_.fetch_add(n, std::memory_order_relaxed);
-            push({Event::kWriteDone, ctx, 0, 0, 0, 0, {}, to});
+            if (hold_write_done.load()) {  // as a single write's (post_write)
+                std::lock_guard<std::mutex> lock(mu_);
+                held_.push_back({Event::kWriteDone, ctx, 0, 0, 0, 0, {}, to});
+            } else {
+                push({Event::kWriteDone, ctx, 0, 0, 0, 0, {}, to});
+            }
         }
         return 0;
     }

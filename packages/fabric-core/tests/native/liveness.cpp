@@ -1017,10 +1017,93 @@ void a_copying_target_lingers_and_still_naps() {
     CHECK(d1.worker_yields > 0 && d1.lone_yields <= d1.worker_yields);
     CHECK(naps > 0);
 }
+
+// The queue depth's byte allowance (configure_queue's second argument). At a depth of 2 and
+// 40 bytes, with B's completions held: of 10 writes of 8 bytes to A, 5 are posted (2 by the
+// depth, 3 more within the 40 bytes) and 5 wait. While B has writes posted to another peer
+// too (C), the allowance is off: of 10 more to A, 2 are posted. A list op never goes past the
+// depth, nor does a write while one is posted: at a depth of 1 and 1 MiB, of two lists of 4
+// pages to A one is posted, and an 8-byte write waits behind it. Once reported, everything
+// follows and lands, each imm counted once.
+void the_queue_depths_byte_allowance() {
+    Pair p;
+    auto third = p.third();
+    auto& nic = p.b->nic(0);
+    const std::string a = p.a->nic(0).address(), cn = third->engine->nic(0).address();
+    auto to = [&](const std::string& who) { return p.writes_to(who); };
+    auto release = [&] {
+        nic.hold_write_done = false;
+        nic.release_writes();
+    };
+    nic.record_writes = true;
+    p.b->configure_queue(2, 40);
+    nic.hold_write_done = true;
+    for (int i = 0; i < 10; i++) p.write_imm(1800);
+    settle([&] { return to(a) >= 5; });
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // no sixth goes out
+    const long alone = to(a);
+    release();
+    CHECK(p.counted(1800, 10));
+    // two peers with writes posted: the depth alone
+    nic.hold_write_done = true;
+    p.write_imm(1801, third->target);
+    settle([&] { return to(cn) >= 1; });
+    for (int i = 0; i < 10; i++) p.write_imm(1802);
+    settle([&] { return to(a) >= 12; });
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    const long beside = to(a) - 10;
+    release();
+    CHECK(p.counted(1802, 10));
+    // list ops: the depth alone
+    constexpr uint32_t kPages = 4, kLen = 8;
+    std::vector<unsigned char> region(2 * kPages * kLen, 0), source(2 * kPages * kLen, 9);
+    auto lt = std::make_shared<fabric::Target>();
+    lt->addresses.push_back(a);
+    lt->rkeys.push_back(p.a->nic(0).register_remote(region.data(), region.size()));
+    lt->remote_base = reinterpret_cast<uint64_t>(region.data());
+    nic.list_rkey = lt->rkeys[0];
+    p.b->configure_queue(1, 1 << 20);
+    nic.hold_write_done = true;
+    const uint64_t lists0 = nic.lists_posted.load();
+    {
+        auto req = std::make_unique<fabric::Request>();
+        req->id = p.next_id++;
+        req->has_imm = true;
+        req->imm = 1803;
+        req->src_desc = std::make_shared<const std::vector<void*>>(1, nullptr);
+        req->targets.push_back(lt);
+        for (uint32_t i = 0; i < 2 * kPages; i++) {
+            req->list_src.push_back(reinterpret_cast<uint64_t>(source.data()) + i * kLen);
+            req->list_dst.push_back(uint64_t(i) * kLen);
+        }
+        for (uint32_t first : {0u, kPages}) {
+            fabric::OpCtx& op = req->ops.emplace_back();
+            op.len = kLen;
+            op.first_page = first;
+            op.pages = kPages;
+            req->list_extra += op.pages - 1;
+        }
+        p.b->submit(std::move(req));
+    }
+    settle([&] { return nic.lists_posted.load() >= lists0 + 1; });
+    const long before = to(a);
+    p.write_imm(1804);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    const uint64_t lists = nic.lists_posted.load() - lists0;
+    const long behind = to(a) - before;
+    release();
+    CHECK(p.counted(1803, 2 * kPages) && p.counted(1804));
+    CHECK(std::all_of(region.begin(), region.end(), [](unsigned char c) { return c == 9; }));
+    std::printf("byte allowance: %ld of 10 posted alone, %ld beside another peer's; lists posted %llu of 2, "
+                "a write behind one %ld\n",
+                alone, beside, (unsigned long long)lists, behind);
+    CHECK(alone == 5 && beside == 2 && lists == 1 && behind == 0);
+    CHECK(third->engine->close(1.0));
+}
 }  // namespace
 
 int main(int argc, char** argv) {
-    std::string only = argc > 1 ? argv[1] : "";  // "1" to "17": that case alone
+    std::string only = argc > 1 ? argv[1] : "";  // "1" to "18": that case alone
     if (only.empty() || only == "1") answers_refused_for_a_while();
     if (only.empty() || only == "2") a_probe_left_over_from_an_earlier_wait();
     if (only.empty() || only == "3") a_peer_that_is_gone();
@@ -1038,6 +1121,7 @@ int main(int argc, char** argv) {
     if (only.empty() || only == "15") the_worker_steps_aside_for_a_spinner();
     if (only.empty() || only == "16") a_busy_provider_keeps_the_worker_polling();
     if (only.empty() || only == "17") a_copying_target_lingers_and_still_naps();
+    if (only.empty() || only == "18") the_queue_depths_byte_allowance();
     std::printf("liveness: ok\n");
     return 0;
 }

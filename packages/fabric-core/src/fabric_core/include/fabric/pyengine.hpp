@@ -378,9 +378,9 @@ class PyEngine {
     }
 
     // See Engine::configure_queue.
-    void configure_queue(uint64_t per_peer_and_nic) {
+    void configure_queue(uint64_t per_peer_and_nic, uint64_t bytes_per_peer_and_nic) {
         check_open();
-        engine_->configure_queue(per_peer_and_nic);
+        engine_->configure_queue(per_peer_and_nic, bytes_per_peer_and_nic);
     }
 
     // What is outstanding in the engine core (Engine::dump), as plain data.
@@ -630,7 +630,8 @@ void bind_engine(py::class_<Cls, Options...>& c) {
         .def("peer_stats", &Cls::peer_stats)
         .def("configure_liveness", &Cls::configure_liveness, py::arg("interval_s"), py::arg("timeout_s"),
              py::arg("transfer_timeout_s"))
-        .def("configure_queue", &Cls::configure_queue, py::arg("per_peer_and_nic"))
+        .def("configure_queue", &Cls::configure_queue, py::arg("per_peer_and_nic"),
+             py::arg("bytes_per_peer_and_nic") = 0)
         .def("dump_state", &Cls::dump_state)
         .def("probe_peer", &Cls::probe_peer, py::arg("address"))
         .def("fence", &Cls::fence, py::arg("addresses"), py::arg("timeout_s"))
