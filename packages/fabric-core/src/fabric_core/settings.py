@@ -60,9 +60,11 @@ class FabricSettings(BaseSettings):
     queue_bytes: Annotated[int, Field(ge=0, le=1 << 40)] | None = Field(
         None,
         description="Past ``queue_depth``, a write to a peer is still posted while that peer's "
-        "posted writes and it come to at most this many bytes per NIC (0: the depth alone "
-        "holds; None: the backend's choice, 4 MiB on efa's shm provider, 0 elsewhere). Small "
-        "writes then keep the target busy where large ones stay at the depth. Compiled backends.",
+        "posted writes and it come to at most this many bytes per NIC and no other peer has "
+        "writes posted (0: the depth alone holds; None: the backend's choice, 4 MiB on efa's shm "
+        "provider, 0 elsewhere). A stream of small writes to one peer then keeps its target "
+        "busy where large ones, and writes spread over peers, stay at the depth. Compiled "
+        "backends.",
     )
     recv_depth: Annotated[int, Field(ge=1, le=1 << 16)] = Field(
         64, description="Receive buffers kept posted for two-sided control messages."
