@@ -788,10 +788,11 @@ class Engine {
     //
     // ``bytes_per_peer_and_nic`` (0: none) lets small writes go deeper than that: past the
     // depth, a write is posted still while the peer's posted writes and it come to at most that
-    // many bytes. What the depth holds down on shm is the time a post spins on a target
-    // copying its queue, which is the queue's bytes, not its count: 2 writes of an RL
-    // update's megabytes, but 64 of 64 KiB. A single 64 KiB stream held to 2 left the target
-    // idle between refills (4.2-5.0 GB/s against 8.9-13.4 at a depth of 64, 2-core host).
+    // many bytes, and no other peer has writes posted (over_queue_depth). What the depth holds
+    // down on shm is the time a post spins on a target copying its queue, which is the
+    // queue's bytes, not its count: 2 writes of an RL update's megabytes, but 64 of 64 KiB. A
+    // single 64 KiB stream held to 2 left the target idle between refills (4.2-5.0 GB/s
+    // against 8.9-13.4 at a depth of 64, 2-core host).
     void configure_queue(uint64_t per_peer_and_nic, uint64_t bytes_per_peer_and_nic = 0) {
         std::lock_guard<std::timed_mutex> lock(progress_mu_);
         queue_cap_ = per_peer_and_nic;
@@ -1721,9 +1722,13 @@ class Engine {
     }
 
     // Whether ``op`` must wait for the queue depth to its peer ``p`` (configure_queue): the
-    // peer has its depth posted, and the byte allowance (if any) has no room for it. A list op
-    // (pages) is many writes, each a command in the target's queue: it never goes past the
-    // depth, nor does anything while one is posted.
+    // peer has its depth posted, and the byte allowance (if any) has no room for it. The
+    // allowance is for an engine writing to one peer: while another has writes posted, a
+    // post that spins on a busy target keeps that one waiting, which the depth is there to
+    // prevent (an RL update, each trainer writing to two receivers, took 337-403 ms with the
+    // allowance for every peer against 275-318 without). A list op (pages) is many writes,
+    // each a command in the target's queue: it never goes past the depth, nor does anything
+    // while one is posted.
     bool over_queue_depth(const PeerState& p, const OpCtx& op) const {
         if (queue_cap_ == 0) return false;
         const uint64_t nics = nics_.size();
