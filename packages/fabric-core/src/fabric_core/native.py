@@ -62,7 +62,7 @@ from .transfer import Transfer
 if TYPE_CHECKING:
     from ._native_api import NativeCoreApi as NativeCore
 
-__all__ = ["HEADER_BYTES", "NativeEngine"]
+__all__ = ["HEADER_BYTES", "NativeEngine", "queue_limits"]
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +103,16 @@ def _close_at_exit() -> None:
             continue
         with contextlib.suppress(Exception):
             engine.close(timeout=1.0)
+
+
+def queue_limits(settings: FabricSettings, depth: int, allowance: int) -> tuple[int, int]:
+    """The queue depth and its byte allowance an engine takes (Engine::configure_queue): the
+    settings' ``queue_depth`` and ``queue_bytes`` where they choose, else the backend's
+    ``depth`` and ``allowance``."""
+    return (
+        depth if settings.queue_depth is None else settings.queue_depth,
+        allowance if settings.queue_bytes is None else settings.queue_bytes,
+    )
 
 
 class NativeEngine(EngineBase):
@@ -151,8 +161,7 @@ class NativeEngine(EngineBase):
         )
         self._header = _HEADER.pack(len(self.address.raw)) + self.address.raw
         core.configure_liveness(settings.liveness_interval_s, settings.liveness_timeout_s, settings.timeout_s)
-        self.queue_depth = queue_depth if settings.queue_depth is None else settings.queue_depth
-        self.queue_bytes = queue_bytes if settings.queue_bytes is None else settings.queue_bytes
+        self.queue_depth, self.queue_bytes = queue_limits(settings, queue_depth, queue_bytes)
         core.configure_queue(self.queue_depth, self.queue_bytes)
         self._stop = False
         self._completer = threading.Thread(

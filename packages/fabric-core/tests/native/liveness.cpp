@@ -199,6 +199,33 @@ struct Pair {
     }
     bool inline_ok = true;
 
+    // A paged request from B as list ops (OpCtx::pages), every page carrying ``imm``: page i,
+    // ``len`` bytes from ``src + i * len``, to offset ``dst[i]`` of ``to``, in ops of ``per_op``
+    // pages (the last takes the rest).
+    std::unique_ptr<fabric::Request> list_request(uint32_t imm, const std::shared_ptr<fabric::Target>& to,
+                                                  const unsigned char* src, uint32_t len,
+                                                  const std::vector<uint64_t>& dst, uint32_t per_op) {
+        auto req = std::make_unique<fabric::Request>();
+        req->id = next_id++;
+        req->has_imm = true;
+        req->imm = imm;
+        req->src_desc = std::make_shared<const std::vector<void*>>(1, nullptr);
+        req->targets.push_back(to);
+        const auto pages = static_cast<uint32_t>(dst.size());
+        for (uint32_t i = 0; i < pages; i++) {
+            req->list_src.push_back(reinterpret_cast<uint64_t>(src) + uint64_t(i) * len);
+            req->list_dst.push_back(dst[i]);
+        }
+        for (uint32_t first = 0; first < pages; first += per_op) {
+            fabric::OpCtx& op = req->ops.emplace_back();
+            op.len = len;
+            op.first_page = first;
+            op.pages = std::min(per_op, pages - first);
+            req->list_extra += op.pages - 1;
+        }
+        return req;
+    }
+
     // A waits (up to ``limit`` s) for one count of ``imm``, naming B; B writes it after
     // ``after`` s (never if negative). Returns the wait's outcome and how long it took.
     std::pair<int, double> wait(uint32_t imm, double after, double limit, const std::string* peer = nullptr) {
@@ -661,23 +688,9 @@ void paged_requests_as_lists() {
     std::vector<uint32_t> slot(kPages);  // page i goes to slot (i * 211) % 512: scattered, distinct
     for (uint32_t i = 0; i < kPages; i++) slot[i] = (i * 211) % kSlots;
     auto list_request = [&](uint32_t imm, uint32_t bad_page, std::shared_ptr<fabric::Target> target = nullptr) {
-        auto req = std::make_unique<fabric::Request>();
-        req->id = p.next_id++;
-        req->has_imm = true;
-        req->imm = imm;
-        req->src_desc = std::make_shared<const std::vector<void*>>(1, nullptr);
-        req->targets.push_back(target ? target : to);
-        for (uint32_t i = 0; i < kPages; i++) {
-            req->list_src.push_back(reinterpret_cast<uint64_t>(source.data()) + i * kLen);
-            req->list_dst.push_back(i == bad_page ? region.size() : uint64_t(slot[i]) * kLen);
-        }
-        for (uint32_t first : {0u, 200u}) {
-            fabric::OpCtx& op = req->ops.emplace_back();
-            op.len = kLen;
-            op.first_page = first;
-            op.pages = first == 0 ? 200 : kPages - 200;
-            req->list_extra += op.pages - 1;
-        }
+        std::vector<uint64_t> dst(kPages);
+        for (uint32_t i = 0; i < kPages; i++) dst[i] = i == bad_page ? region.size() : uint64_t(slot[i]) * kLen;
+        auto req = p.list_request(imm, target ? target : to, source.data(), kLen, dst, 200);  // lists of 200 and 100
         CHECK(req->wrs() == kPages);
         return req;
     };
@@ -1039,8 +1052,7 @@ void the_queue_depths_byte_allowance() {
     p.b->configure_queue(2, 40);
     nic.hold_write_done = true;
     for (int i = 0; i < 10; i++) p.write_imm(1800);
-    settle([&] { return to(a) >= 5; });
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // no sixth goes out
+    settle([&] { return to(a) >= 5; });  // (and 20 ms more: no sixth goes out)
     const long alone = to(a);
     release();
     CHECK(p.counted(1800, 10));
@@ -1050,7 +1062,6 @@ void the_queue_depths_byte_allowance() {
     settle([&] { return to(cn) >= 1; });
     for (int i = 0; i < 10; i++) p.write_imm(1802);
     settle([&] { return to(a) >= 12; });
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
     const long beside = to(a) - 10;
     release();
     CHECK(p.counted(1802, 10));
@@ -1065,26 +1076,9 @@ void the_queue_depths_byte_allowance() {
     p.b->configure_queue(1, 1 << 20);
     nic.hold_write_done = true;
     const uint64_t lists0 = nic.lists_posted.load();
-    {
-        auto req = std::make_unique<fabric::Request>();
-        req->id = p.next_id++;
-        req->has_imm = true;
-        req->imm = 1803;
-        req->src_desc = std::make_shared<const std::vector<void*>>(1, nullptr);
-        req->targets.push_back(lt);
-        for (uint32_t i = 0; i < 2 * kPages; i++) {
-            req->list_src.push_back(reinterpret_cast<uint64_t>(source.data()) + i * kLen);
-            req->list_dst.push_back(uint64_t(i) * kLen);
-        }
-        for (uint32_t first : {0u, kPages}) {
-            fabric::OpCtx& op = req->ops.emplace_back();
-            op.len = kLen;
-            op.first_page = first;
-            op.pages = kPages;
-            req->list_extra += op.pages - 1;
-        }
-        p.b->submit(std::move(req));
-    }
+    std::vector<uint64_t> dst(2 * kPages);
+    for (uint32_t i = 0; i < dst.size(); i++) dst[i] = uint64_t(i) * kLen;
+    p.b->submit(p.list_request(1803, lt, source.data(), kLen, dst, kPages));
     settle([&] { return nic.lists_posted.load() >= lists0 + 1; });
     const long before = to(a);
     p.write_imm(1804);

@@ -8,7 +8,7 @@ from typing import Any
 from fabric_core import cuda
 from fabric_core.errors import BackendUnavailable, ConfigError
 from fabric_core.models import Capabilities, DomainInfo
-from fabric_core.native import HEADER_BYTES, NativeEngine
+from fabric_core.native import HEADER_BYTES, NativeEngine, queue_limits
 from fabric_core.settings import FabricSettings
 
 from . import _efa
@@ -152,9 +152,8 @@ class EfaEngine(NativeEngine):
             for key, off in ways:
                 details[key] = f"no: {info[off]}" if info[off] else "yes"
         depth = default_queue_depth(str(info["provider"]))
-        details["queue_depth"] = depth if settings.queue_depth is None else settings.queue_depth
         allowance = default_queue_bytes(str(info["provider"]))
-        details["queue_bytes"] = allowance if settings.queue_bytes is None else settings.queue_bytes
+        details["queue_depth"], details["queue_bytes"] = queue_limits(settings, depth, allowance)
         for a in core.addresses():  # an address can be reused
             _efa.reopen_address(a)
         super().__init__(
