@@ -338,6 +338,33 @@ class ScatterConformance(_Base):
         for e, _, _ in targets:
             _assert_no_extra(e, 31, h)
 
+    @pytest.mark.parametrize("nics", (1, 2))
+    def test_scatter_of_many_ranges_to_one_region_lands_exactly(self, h: Harness, nics: int) -> None:
+        """A scatter naming one descriptor many times is a batch of writes to one peer: each
+        range lands from its own source offset, the gaps between them are untouched, and the
+        target counts exactly the imms the transfer promised."""
+        _nics_ok(h, nics)
+        a = h.open_engine(nics)
+        src = _data(h, 1 << 16, 5)
+        mr = a.register(src)
+        b = h.open_engine(nics)
+        buf = _canary(h, 1 << 16)
+        desc = b.register(buf).descriptor
+        # 16 ranges of varied lengths at 4 KiB steps of the target (gaps between them), their
+        # sources spread over the source region, listed out of order
+        spec = [(300 + 211 * j, 977 * j, 4096 * j + 5) for j in range(16)]
+        order = [spec[j] for j in (7, 0, 15, 3, 12, 9, 1, 14, 4, 10, 6, 13, 2, 8, 11, 5)]
+        t = a.submit_scatter(mr, [ScatterTarget(desc, n, so, do) for n, so, do in order], imm=33)
+        assert len(t.imms_per_target) == 16
+        b.counter(33).wait(sum(t.imms_per_target), timeout=T)
+        t.wait(T)
+        touched = np.zeros(len(buf), dtype=bool)
+        for n, so, do in spec:
+            assert np.array_equal(buf[do : do + n], src[so : so + n])
+            touched[do : do + n] = True
+        assert (buf[~touched] == CANARY).all()
+        _assert_no_extra(b, 33, h)
+
     def test_scatter_through_peer_group_is_reusable(self, h: Harness) -> None:
         a, mr, src, targets = self._fleet(h, 1)
         group = a.peer_group([reg.descriptor for _, _, reg in targets])
