@@ -18,7 +18,9 @@
 # perf_kv.sh: a flat CPU profile of both KvCache processes; needs .gpu/perf, prepare.sh --perf),
 # ceiling (benchmarks/efa_vs_ceiling.py on the host's many cores: fabric-efa in host memory
 # against fi_ceiling.c built here, on shm and, where the provider exists, tcp;ofi_rxm; REPS
-# repetitions, default 5).
+# repetitions, default 5), write-stream (benchmarks/write_stream.py on shm and tcp;ofi_rxm at 64 KiB:
+# one submit_write per write against submit_scatter batches, beside that ceiling; ROUNDS
+# rounds, default 3).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 dest=${OUT:-$PWD/gpu-out}
@@ -88,6 +90,12 @@ for step in "$@"; do
            benchmarks/ceiling/fi_ceiling.c -L/tmp/fabric-fi/lib -lfabric && \
            '$py' benchmarks/efa_vs_ceiling.py /tmp/fi_ceiling '$out/ceiling' --reps ${REPS:-5} \
            --providers ${PROVIDERS:-shm,tcp}" ;;
+    write-stream) run_step write-stream bash -c "cc -O2 -Wall -I/tmp/fabric-fi/include -o /tmp/fi_ceiling \
+           benchmarks/ceiling/fi_ceiling.c -L/tmp/fabric-fi/lib -lfabric && mkdir -p '$out/write-stream' && \
+           { fi_info --version || true; } && \
+           for run in 'shm:' 'shm-pinned:--pin 0,1' 'tcp:--provider tcp;ofi_rxm'; do \
+             echo \"== \${run%%:*}\"; '$py' benchmarks/write_stream.py --rounds ${ROUNDS:-3} --ceiling /tmp/fi_ceiling \
+               \${run#*:} --json '$out/write-stream/'\${run%%:*}.json; done" ;;
     perf-kv) run_step perf-kv bash benchmarks/device/perf_kv.sh "$py" "$out" ;;
     *) echo "unknown step $step" >&2 ;;
   esac
