@@ -44,15 +44,15 @@ def _engine(provider: str) -> Any:
     return open_engine(backend="efa", efa_provider=provider, nics=1)
 
 
-def _pin(cpu: int | None) -> None:
-    if cpu is not None:
-        os.sched_setaffinity(0, {cpu})
+def _pin(cpus: list[int] | None) -> None:
+    if cpus:
+        os.sched_setaffinity(0, set(cpus))
 
 
-def _target(conn: Connection, provider: str, size: int, cpu: int | None) -> None:
-    if cpu is not None:
-        os.environ["FABRIC_WORKER_CPU"] = str(cpu)
-    _pin(cpu)
+def _target(conn: Connection, provider: str, size: int, cpus: list[int] | None) -> None:
+    if cpus:
+        os.environ["FABRIC_WORKER_CPU"] = str(cpus[0])
+    _pin(cpus)
     engine = _engine(provider)
     buf = np.zeros(size, dtype=np.uint8)
     conn.send(engine.register(buf).descriptor.to_bytes())
@@ -136,13 +136,13 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ceiling", default=None, help="the fi_ceiling binary, run in each round")
-    ap.add_argument("--pin", default=None, help="T,W: the target's CPU and the writer's")
+    ap.add_argument("--pin", default=None, help="T,W: the target's CPUs and the writer's (CPUs joined by +)")
     ap.add_argument("--no-cma", action="store_true", help="FI_SHM_DISABLE_CMA=1 for every process")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.target_cpu = args.writer_cpu = None
     if args.pin:
-        args.target_cpu, args.writer_cpu = (int(c) for c in args.pin.split(","))
+        args.target_cpu, args.writer_cpu = ([int(c) for c in side.split("+")] for side in args.pin.split(","))
     if args.provider.startswith("tcp"):
         os.environ.setdefault("FI_TCP_IFACE", "lo")
     if args.no_cma:
