@@ -1053,6 +1053,14 @@ void the_queue_depths_byte_allowance() {
         nic.hold_write_done = false;
         nic.release_writes();
     };
+    // Between the phases: every write of the last one reported and reaped. A post that read
+    // hold_write_done just before release() cleared it is held after release_writes() ran
+    // (seen under TSan: it took a slot of the next phase's depth), so release once more once
+    // all have landed, and wait for nothing in flight.
+    auto drained = [&] {
+        release();
+        settle([&] { return p.b->dump().inflight_wrs == 0; });
+    };
     nic.record_writes = true;
     p.b->configure_queue(2, 40);
     nic.hold_write_done = true;
@@ -1061,6 +1069,7 @@ void the_queue_depths_byte_allowance() {
     const long alone = to(a);
     release();
     CHECK(p.counted(1800, 10));
+    drained();
     // two peers with writes posted: the depth alone
     nic.hold_write_done = true;
     p.write_imm(1801, third->target);
@@ -1070,6 +1079,7 @@ void the_queue_depths_byte_allowance() {
     const long beside = to(a) - 10;
     release();
     CHECK(p.counted(1802, 10));
+    drained();
     // list ops: the depth alone
     constexpr uint32_t kPages = 4, kLen = 8;
     std::vector<unsigned char> region(2 * kPages * kLen, 0), source(2 * kPages * kLen, 9);
