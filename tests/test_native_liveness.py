@@ -88,7 +88,7 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ),
         (
             "16",
-            "naps in 100 ms idle some, with polls busy none (steps counted as work: some), "
+            "naps in 100 ms idle some, with polls busy few (steps counted as work: some), "
             "with quick polls again some; dumps refused the lock 0",
         ),
         (

@@ -972,11 +972,12 @@ void the_worker_steps_aside_for_a_spinner() {
 }
 
 void a_busy_provider_keeps_the_worker_polling() {
-    // With the rule broken, each 300 us poll after the first few would end in a nap: about 300
-    // in the 100 ms. A worker descheduled for longer than its idle spin between two steps on a
-    // loaded host can still nap once after a step that ran the engine's own chores (the tick),
-    // which is not the provider's work (seen once, in a local CI run with a test run beside it).
-    constexpr uint64_t kPreemptedNaps = 2;
+    // With the rule broken, about every 300 us poll after the first few ends in a nap (some 300
+    // in the 100 ms). A worker descheduled for longer than its idle spin between two steps can
+    // still nap now and then after a step that ran the engine's own chores (the tick), which
+    // is not the provider's work: under TSan with two busy loops on the 2-core machine, 3-7
+    // naps against 60-260 steps counted as work (none unloaded, against about 320). So the
+    // check: at most one nap per five steps counted as work.
     FakeFabric fabric;
     auto e = fabric_test::open_engine(fabric, "w", 1, std::make_shared<CounterTable>(), false);
     int refused = 0;  // dumps that did not get the progress lock within their 200 ms
@@ -1003,12 +1004,13 @@ void a_busy_provider_keeps_the_worker_polling() {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
     uint64_t quick_naps = over(naps, 100);
     CHECK(e->close(1.0));
+    const bool few = busy_naps * 5 <= busy_worked;
     std::printf("a busy provider: naps in 100 ms idle %s, with polls busy %s (steps counted as work: %s), "
                 "with quick polls again %s; dumps refused the lock %d\n",
-                idle_naps > 0 ? "some" : "none", busy_naps <= kPreemptedNaps ? "none" : "some",
+                idle_naps > 0 ? "some" : "none", few ? "few" : std::to_string(busy_naps).c_str(),
                 busy_worked > 0 ? "some" : "none", quick_naps > 0 ? "some" : "none", refused);
     CHECK(refused == 0);
-    CHECK(idle_naps > 0 && busy_naps <= kPreemptedNaps && busy_worked > 0 && quick_naps > 0);
+    CHECK(idle_naps > 0 && few && busy_worked > 0 && quick_naps > 0);
 }
 
 // A target whose polls move the writes' bytes (target_copies, as on shm) lingers after work
