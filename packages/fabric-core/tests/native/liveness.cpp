@@ -1055,10 +1055,12 @@ void the_queue_depths_byte_allowance() {
         nic.hold_write_done = false;
         nic.release_writes();
     };
-    // Between the phases: every write of the last one reported and reaped. A post that read
-    // hold_write_done just before release() cleared it is held after release_writes() ran
-    // (seen under TSan: it took a slot of the next phase's depth), so release once more once
-    // all have landed, and wait for nothing in flight.
+    // Between the phases: every write of the last one reported and reaped, so none takes a
+    // slot of the next phase's depth. (A local CI run's TSan pass once saw the second phase
+    // one write short; not reproduced since, in 20 runs of this case under load. A write of the
+    // phase before still in flight would do it: reaped late, or held by a post that read
+    // hold_write_done just before release() cleared it.) So: release once more once all have
+    // landed, and wait for nothing in flight.
     auto drained = [&] {
         release();
         settle([&] { return p.b->dump().inflight_wrs == 0; });
