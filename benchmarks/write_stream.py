@@ -9,11 +9,13 @@ target process, for ``--seconds``, in one of two forms:
   Python runs once per batch and the engine posts the batch's writes back to back.
 
 With ``--ceiling BINARY`` (``benchmarks/ceiling/fi_ceiling.c``) each round also runs the ceiling
-at the same size (delivery complete, the like-for-like one). ``--pin T,W`` pins the target's
-process and worker to CPU T and the writer's process to CPU W, so the two sides never share a
-core. ``--no-cma`` sets ``FI_SHM_DISABLE_CMA=1`` for every process of the run (fabric and the
-ceiling): shm then moves writes above its inject size through its bounce buffers (SAR) instead
-of a cross-process copy by the target. The forms alternate ``--rounds`` times:
+at the same size and window (delivery complete, the like-for-like one). ``--pin T,W`` pins the
+target's process (and its worker, to the first CPU) to CPUs T and the writer's process to CPUs
+W, each one CPU or several joined by ``+`` (``0,1+2``: the target on CPU 0, the writer on CPUs
+1 and 2), so the two sides never share a core. ``--no-cma`` sets ``FI_SHM_DISABLE_CMA=1`` for
+every process of the run (fabric and the ceiling): shm then moves writes above its inject size
+through its bounce buffers (SAR) instead of a cross-process copy by the target. The forms
+alternate ``--rounds`` times:
 
     python benchmarks/write_stream.py --provider shm --size 65536 --rounds 5 \\
         --ceiling /tmp/fi_ceiling --pin 0,1 --json out.json
@@ -117,8 +119,8 @@ def run_fabric(args: argparse.Namespace, form: str) -> dict[str, Any]:
 
 
 def run_ceiling(args: argparse.Namespace) -> float:
-    """The ceiling's GB/s at ``args.size`` (window 64, delivery complete)."""
-    cmd = [args.ceiling, "-p", args.provider, "-s", str(args.size), "-w", "64", "-d", "-l", "1"]
+    """The ceiling's GB/s at ``args.size`` (the same window, delivery complete)."""
+    cmd = [args.ceiling, "-p", args.provider, "-s", str(args.size), "-w", str(args.window), "-d", "-l", "1"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=300).stdout
     for line in out.splitlines():
         row = json.loads(line)
