@@ -88,6 +88,7 @@ def check(session: nox.Session) -> None:
     _docs(session)
     _pytest(session)
     _efa(session)  # last: installing the backends changes what the registry tests see
+    _efa_on_libfabric2(session)
     _verbs(session)
     _sanitize(session)  # replaces the backends with their ASan+UBSan builds: keep it last
 
@@ -152,17 +153,7 @@ def bench(session: nox.Session) -> None:
 def _efa(session: nox.Session) -> None:
     """Build fabric-efa against the system libfabric (installing libfabric-dev when missing),
     check its stub with stubtest, and run the conformance suite on shm and tcp;ofi_rxm."""
-    _system_packages(session, "libfabric-dev", "g++", "cmake", "pkg-config", "iproute2", "nftables")
-    session.install(*CONSTRAINTS, "pybind11", "scikit-build-core")
-    session.install(*CONSTRAINTS, "--no-build-isolation", "./packages/fabric-efa")
-    session.run(
-        "python",
-        "-m",
-        "mypy.stubtest",
-        "fabric_efa._efa",
-        "--allowlist",
-        "packages/fabric-efa/stubtest-allowlist.txt",
-    )
+    _efa_install(session)
     session.run(
         "pytest",
         "packages/fabric-efa/tests",
@@ -175,6 +166,63 @@ def _efa(session: nox.Session) -> None:
         *session.posargs,
         env={"FI_TCP_IFACE": "lo", "COVERAGE_FILE": str(ROOT / ".coverage.efa")},
     )
+
+
+def _efa_install(session: nox.Session) -> None:
+    """fabric-efa built against the system libfabric and installed, its stub checked."""
+    _system_packages(session, "libfabric-dev", "g++", "cmake", "pkg-config", "iproute2", "nftables")
+    session.install(*CONSTRAINTS, "pybind11", "scikit-build-core")
+    session.install(*CONSTRAINTS, "--no-build-isolation", "./packages/fabric-efa")
+    session.run(
+        "python",
+        "-m",
+        "mypy.stubtest",
+        "fabric_efa._efa",
+        "--allowlist",
+        "packages/fabric-efa/stubtest-allowlist.txt",
+    )
+
+
+def _build_libfabric2(session: nox.Session) -> Path:
+    """libfabric 2.x (shm, tcp, rxm) built once into nox's cache (tools/libfabric2.sh, which
+    fetches Debian 13's source by its hash); returns its lib folder."""
+    _system_packages(session, "autoconf", "automake", "libtool", "make", "g++", "xz-utils")
+    prefix = Path(session.cache_dir) / "libfabric2"
+    session.run("bash", str(ROOT / "tools" / "libfabric2.sh"), str(prefix), external=True)
+    return prefix / "lib"
+
+
+def _efa_on_libfabric2(session: nox.Session) -> None:
+    """The fabric-efa that _efa built (against the system's libfabric 1.17) run against
+    libfabric 2.x: the conformance suite and the efa tests on shm and tcp;ofi_rxm, as a wheel
+    built on one system meets a newer libfabric on another (the EFA installer's)."""
+    lib = _build_libfabric2(session)
+    env = {"LD_LIBRARY_PATH": str(lib), "FI_TCP_IFACE": "lo"}
+    session.run(  # (the 2.x build is the one loaded)
+        "python",
+        "-c",
+        "import sys, fabric_efa._efa as e; v = e.libfabric_version(); print('libfabric', v); "
+        "sys.exit(v < (2, 0))",
+        env=env,
+    )
+    session.run(
+        "pytest",
+        "packages/fabric-efa/tests",
+        "-q",
+        "--fabric-seeds",
+        os.environ.get("FABRIC_EFA2_SEEDS", "1"),
+        *session.posargs,
+        env=env,
+    )
+
+
+@nox.session(name="efa-libfabric2")
+def efa_libfabric2(session: nox.Session) -> None:
+    """fabric-efa built against the system libfabric, run against libfabric 2.x (built once
+    from Debian 13's source into nox's cache); also part of ``check``."""
+    _install(session, "test")
+    _efa_install(session)
+    _efa_on_libfabric2(session)
 
 
 def _verbs(session: nox.Session) -> None:

@@ -5,14 +5,17 @@
 # machine with PyPI and libfabric-dev), then carry .gpu to the GPU machine and run
 # benchmarks/device/run.sh there.
 #
-#   bash benchmarks/device/prepare.sh [--perf] [PYTHON_VERSION]   # default 3.12, the GPU image's
+#   bash benchmarks/device/prepare.sh [--perf] [--libfabric2] [PYTHON_VERSION]   # default 3.12, the GPU image's
 #
 # --perf also copies this machine's perf and the libraries it needs beyond the C and C++
 # runtimes into .gpu/perf (the GPU image has no perf; run.sh's perf-kv step uses it).
+# --libfabric2 also puts libfabric 2.x's source there, configure made (tools/libfabric2.sh
+# --source), for run.sh's write-stream-lf2 step.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-perf=0
+perf=0 lf2=0
 if [ "${1:-}" = --perf ]; then perf=1; shift; fi
+if [ "${1:-}" = --libfabric2 ]; then lf2=1; shift; fi
 pyver=${1:-3.12}
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exclude
 rm -rf .gpu && mkdir -p .gpu/wheels .gpu/fi/include/rdma
@@ -30,5 +33,8 @@ if [ $perf = 1 ]; then
   for lib in $(ldd "$bin" | awk '/=>/{print $3}'); do
     case $(basename "$lib") in libc.so* | libm.so* | libstdc++* | libgcc_s* | libz.so* | ld-linux*) ;; *) cp -L "$lib" .gpu/perf/lib/ ;; esac
   done
+fi
+if [ $lf2 = 1 ]; then
+  bash tools/libfabric2.sh --source .gpu/libfabric2-src.tgz
 fi
 du -sh .gpu

@@ -20,7 +20,8 @@
 # against fi_ceiling.c built here, on shm and, where the provider exists, tcp;ofi_rxm; REPS
 # repetitions, default 5), write-stream (benchmarks/write_stream.py on shm and tcp;ofi_rxm at 64 KiB:
 # one submit_write per write against submit_scatter batches, beside that ceiling; ROUNDS
-# rounds, default 3).
+# rounds, default 3), write-stream-lf2 (the same against libfabric 2.x, built here from the
+# source prepare.sh --libfabric2 carries: tools/libfabric2.sh).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 dest=${OUT:-$PWD/gpu-out}
@@ -59,6 +60,18 @@ run_step() {
   tar czf "$dest/results.tgz" -C "$out" .
 }
 
+# write_stream.py on shm, shm pinned to two CPUs and tcp;ofi_rxm, beside the ceiling (built
+# here against the headers carried, linked to whichever libfabric.so.1 the loader finds)
+write_stream() {
+  local name=$1
+  echo "cc -O2 -Wall -I/tmp/fabric-fi/include -o /tmp/fi_ceiling benchmarks/ceiling/fi_ceiling.c \
+    -L/tmp/fabric-fi/lib -lfabric && mkdir -p '$out/$name' && \
+    '$py' -c 'import fabric_efa._efa as e; print(\"libfabric\", e.libfabric_version())' && \
+    for run in 'shm:' 'shm-pinned:--pin 0,1' 'tcp:--provider tcp;ofi_rxm'; do \
+      echo \"== \${run%%:*}\"; '$py' benchmarks/write_stream.py --rounds ${ROUNDS:-3} --ceiling /tmp/fi_ceiling \
+        \${run#*:} --json '$out/$name/'\${run%%:*}.json; done"
+}
+
 t0=$SECONDS
 setup >"$out/setup.log" 2>&1
 rc=$?
@@ -90,12 +103,9 @@ for step in "$@"; do
            benchmarks/ceiling/fi_ceiling.c -L/tmp/fabric-fi/lib -lfabric && \
            '$py' benchmarks/efa_vs_ceiling.py /tmp/fi_ceiling '$out/ceiling' --reps ${REPS:-5} \
            --providers ${PROVIDERS:-shm,tcp}" ;;
-    write-stream) run_step write-stream bash -c "cc -O2 -Wall -I/tmp/fabric-fi/include -o /tmp/fi_ceiling \
-           benchmarks/ceiling/fi_ceiling.c -L/tmp/fabric-fi/lib -lfabric && mkdir -p '$out/write-stream' && \
-           { fi_info --version || true; } && \
-           for run in 'shm:' 'shm-pinned:--pin 0,1' 'tcp:--provider tcp;ofi_rxm'; do \
-             echo \"== \${run%%:*}\"; '$py' benchmarks/write_stream.py --rounds ${ROUNDS:-3} --ceiling /tmp/fi_ceiling \
-               \${run#*:} --json '$out/write-stream/'\${run%%:*}.json; done" ;;
+    write-stream) run_step write-stream bash -c "$(write_stream write-stream)" ;;
+    write-stream-lf2) run_step write-stream-lf2 bash -c "bash tools/libfabric2.sh /tmp/fabric-lf2 \
+           .gpu/libfabric2-src.tgz && export LD_LIBRARY_PATH=/tmp/fabric-lf2/lib && $(write_stream write-stream-lf2)" ;;
     perf-kv) run_step perf-kv bash benchmarks/device/perf_kv.sh "$py" "$out" ;;
     *) echo "unknown step $step" >&2 ;;
   esac

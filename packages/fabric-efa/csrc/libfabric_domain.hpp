@@ -154,9 +154,14 @@ class LibfabricDomain {
         hints->domain_attr->threading = FI_THREAD_SAFE;
         hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
         hints->fabric_attr->prov_name = strdup(provider.c_str());
-        // FI_SOURCE where the provider has it: an imm's source, for exact counts across a
-        // lost NIC (fabric/engine.hpp, "NIC loss").
-        hints->caps |= FI_SOURCE;
+        // FI_SOURCE where the provider has it and reports it right: an imm's source, for exact
+        // counts across a lost NIC (fabric/engine.hpp, "NIC loss"). Not on rxm: libfabric
+        // 1.17's reported a second sender's remote writes as coming from the first (measured:
+        // every imm of the peer at handle 1 came as handle 0, on NIC 0 and NIC 1), and 2.x's
+        // leaves the source out of every remote write (rxm_handle_remote_write). Without it
+        // the engine attributes a NIC's imms only while one sender uses it (Engine::attribute).
+        const bool rxm = provider.find("rxm") != std::string::npos;
+        if (!rxm) hints->caps |= FI_SOURCE;
         // FI_HMEM, when asked (a GPU is there), where the provider has it: CUDA memory
         // registered as such (FI_HMEM_CUDA), which the provider moves itself (shm: CUDA IPC
         // between the processes of a host). Each wish is dropped in turn where refused.
@@ -177,10 +182,10 @@ class LibfabricDomain {
         fi_freeinfo(hints);
         if (rc != 0)
             throw LibfabricError("fi_getinfo(" + provider + (source.empty() ? "" : " at " + source) + ")", rc);
-        sources_ = (info_->caps & FI_SOURCE) != 0;
         shm_ = info_->fabric_attr->prov_name && std::string(info_->fabric_attr->prov_name) == "shm";
         stale_peers_ = info_->fabric_attr->prov_name &&
                        std::string(info_->fabric_attr->prov_name).find("ofi_rxm") != std::string::npos;
+        sources_ = (info_->caps & FI_SOURCE) != 0 && !stale_peers_;  // (rxm: above)
         if (shm_ && index == 0) remove_orphan_regions();
         try {
             SignalGuard guard;
@@ -247,7 +252,6 @@ class LibfabricDomain {
     }
 
     const std::string& address() const { return address_; }
-    bool sources() const { return sources_; }
     // rxm keeps a connection per peer, and one the peer dropped unseen (a reset this side
     // never sent into) stays "connected" here: the peer's next connect from the same process
     // is then refused (rxm: "simultaneous, reject peer") until this side sends on it and

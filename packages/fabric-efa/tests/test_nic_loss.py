@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from fabric_core.errors import PeerUnreachable, TransferCancelled
+from fabric_core.errors import PeerUnreachable, TransferCancelled, TransportError
 from fabric_core.ops import Pinned
 from fabric_core.settings import load_settings
 from fabric_core.testing.remote import RemoteEngine, WorkerPool, stop_process
@@ -36,7 +36,7 @@ PIECE = 40_000
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[WorkerPool]:
-    with WorkerPool(workers=2, arena_bytes=1 << 22) as p:
+    with WorkerPool(workers=2, arena_bytes=1 << 23) as p:
         yield p
 
 
@@ -111,4 +111,87 @@ def test_a_cancelled_writeimm_lost_with_its_nic_is_accounted_for(pool: WorkerPoo
         writer.deregister(src_mr)
         target.deregister(dst_mr)
         writer.close()
+        target.close()
+
+
+@pytest.mark.parametrize("provider", ["shm", "tcp;ofi_rxm"])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_nic_loss_beside_a_second_sender_never_miscounts(
+    pool: WorkerPool, seed: int, provider: str
+) -> None:
+    """Two engines write WriteImms to one target on its NIC 1; one of them loses that NIC.
+
+    Where the target's domain reports each imm's source (FI_SOURCE: shm, libfabric 1.17's
+    rxm) its counts are kept per sender, and the lost WriteImms are reconciled and retried
+    as with one sender. Where it reports none (libfabric 2.x's rxm leaves the source out of
+    every remote write), the target cannot tell the two senders' imms apart on that NIC:
+    the lost WriteImms that need the counts fail with TransportError saying so, and no imm
+    is counted more often than submitted. The other sender's transfers complete either way,
+    each counted exactly.
+    """
+    settings = load_settings(backend="efa", efa_provider=provider, nics=2, timeout_s=T)
+    probe = EfaBackend.probe(settings)
+    if not probe.available:
+        pytest.skip(probe.reason)
+    config = {"backend": "efa", "efa_provider": provider, "nics": 2, "timeout_s": T}
+    writer = EfaEngine(settings)
+    target = RemoteEngine(pool, pool.workers[0], config)
+    other = RemoteEngine(pool, pool.workers[1], config)
+    src, other_src, dst = pool.alloc(4 * PIECE), pool.alloc(4 * PIECE), pool.alloc(8 * PIECE)
+    rng = np.random.default_rng(seed)
+    src[:] = rng.integers(0, 256, src.size, dtype=np.uint8)
+    other_src[:] = rng.integers(0, 256, other_src.size, dtype=np.uint8)
+    dst[:] = 0
+    src_mr, other_mr, dst_mr = writer.register(src), other.register(other_src), target.register(dst)
+    desc = dst_mr.descriptor
+    try:
+        # each sender's hello is answered, and each has carried a WriteImm on NIC 1
+        for w, mr, imm in ((writer, src_mr, 90), (other, other_mr, 92)):
+            w.submit_imm(desc, imm).wait(T)
+            target.counter(imm).wait(1, timeout=T)
+            w.fence([desc], timeout=T)
+            t = w.submit_write(mr, 0, PIECE, desc, 0, imm=imm + 1, routing=Pinned(1))
+            t.wait(T)
+            target.counter(imm + 1).wait(t.imms_at_target, timeout=T)
+        sourced = target.dump_state().get("imms_without_source", [0, 0])[1] == 0
+
+        writer._core.inject_nic_failure(1, True, seed)
+        lost = [
+            writer.submit_write(src_mr, i * PIECE, PIECE, desc, i * PIECE, imm=41, routing=Pinned(1))
+            for i in range(4)
+        ]
+        beside = [
+            other.submit_write(other_mr, i * PIECE, PIECE, desc, (4 + i) * PIECE, imm=51, routing=Pinned(1))
+            for i in range(4)
+        ]
+        for t in beside:
+            assert t.exception(T) is None
+        target.counter(51).wait(sum(t.imms_at_target for t in beside), timeout=T)
+        assert np.array_equal(dst[4 * PIECE :], other_src)
+        errors = [t.exception(T) for t in lost]
+        if sourced:
+            assert errors == [None] * len(lost)  # reconciled on NIC 1's counts of this sender
+            target.counter(41).wait(sum(t.imms_at_target for t in lost), timeout=T)
+            assert np.array_equal(dst[: 4 * PIECE], src)
+        else:
+            # the second sender's imms on NIC 1 went to neither sender's counts
+            assert target.dump_state()["imms_unattributed"][1] >= sum(t.imms_at_target for t in beside)
+            for exc in errors:
+                told = isinstance(exc, TransportError) and "could not tell" in str(exc)
+                assert exc is None or told, repr(exc)
+        time.sleep(0.3)
+        counted = target.counter(41).value
+        done = sum(t.imms_at_target for t, e in zip(lost, errors, strict=True) if e is None)
+        if sourced:
+            assert counted == 0, "counted more imms than imms_at_target"
+        else:
+            assert done <= counted <= sum(t.imms_at_target for t in lost), (done, counted)
+        assert target.counter(51).value == 0, "the other sender's imms counted more than once"
+    finally:
+        writer._core.inject_nic_failure(1, False, seed)
+        writer.deregister(src_mr)
+        other.deregister(other_mr)
+        target.deregister(dst_mr)
+        writer.close()
+        other.close()
         target.close()

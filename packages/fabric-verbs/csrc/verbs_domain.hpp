@@ -144,8 +144,8 @@ class VerbsDomain {
     const std::string& address() const { return address_; }
     bool virt_addr() const { return true; }
     // Imm sources are not reported yet (the QP number of a completion would say): a target on
-    // verbs cannot reconcile a lost NIC's WriteImms, so its senders fail them instead.
-    bool sources() const { return false; }
+    // verbs reconciles a lost NIC's WriteImms only for a NIC's sole sender (Engine::attribute);
+    // with several, their senders fail them instead.
     // No pokes (engine.hpp, the Domain concept): whether a queue pair the peer tore down
     // stays usable-looking here until it sends is not measured on hardware yet.
     bool stale_peers() const { return false; }

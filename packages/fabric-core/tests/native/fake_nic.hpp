@@ -75,7 +75,6 @@ class FakeNic {
         if (peer < peers_.size()) peers_[peer].clear();
     }
     bool virt_addr() const { return true; }
-    bool sources() const { return true; }
     bool stale_peers() const { return false; }
     void* local_desc(void*, size_t) { return this; }
 

@@ -31,7 +31,6 @@
 //   void* local_desc(void* buf, size_t len);             // register engine-owned buffers
 //                                                        // for local access; their descriptor
 //   template <class Sink> size_t poll(Sink&);            // calls sink.on_*(...) per entry
-//   bool sources() const;                                // on_imm reports imm sources
 //   bool stale_peers() const;                            // a connection the peer dropped may
 //                                                        // look alive here until this side
 //                                                        // sends on it (pokes, reset_path)
@@ -411,6 +410,9 @@ struct EngineDump {
     std::vector<size_t> unposted_per_nic;
     uint64_t pokes_sent = 0;  // see Engine::poke
     uint64_t paths_cut = 0;   // connections reset on paths lost in silence (PathState::cut_until)
+    // per NIC (0 for NIC 0): imms its domain reported without a source, and imms no sender's
+    // counts took (Engine::attribute)
+    std::vector<uint64_t> imms_without_source, imms_unattributed;
     int counter_spinners = 0;  // threads spinning on a counter now (Engine::spinning)
     int drainers = 0;          // threads draining their transfers now (Engine::drain)
     bool worker_deferring = false;  // the worker naps while a spinner runs the steps (Engine::defer)
@@ -480,7 +482,9 @@ class Engine {
         LocalEndpoints::instance().add(self_address_);
         attrib_.resize(nics_.size());
         unattributed_.assign(nics_.size(), 0);
-        for (size_t n = 1; n < nics_.size(); n++) attributes_ = attributes_ && nics_[n]->sources();
+        nic_sender_.assign(nics_.size(), nullptr);
+        sourceless_.assign(nics_.size(), 0);
+        nic_shared_.assign(nics_.size(), 0);
         incarnation_ = std::random_device{}() | (uint64_t(std::random_device{}()) << 32) | 1;
         worker_ = std::thread([this, cpu] { run(cpu); });
         counters_->set_progress([this] { return help(); }, Clock::time_point::max(),
@@ -928,6 +932,8 @@ class Engine {
         }
         out.pokes_sent = pokes_sent_;
         out.paths_cut = paths_cut_;
+        out.imms_without_source = sourceless_;
+        out.imms_unattributed = unattributed_;
         out.counter_spinners = spinners_.load(std::memory_order_seq_cst);
         out.worker_deferring = deferring_.load(std::memory_order_seq_cst);
         out.spinner_wakes = spinner_wakes_.load(std::memory_order_relaxed);
@@ -2061,6 +2067,12 @@ class Engine {
         }
         if (p.nic_addrs.size() < nics_.size()) p.nic_addrs.resize(nics_.size());
         for (uint32_t k = 1; k < nics_.size() && k < addrs.size(); k++) {
+            // (a sender of this NIC from now on, whether or not its address resolves here)
+            if (!nic_sender_[k]) {
+                nic_sender_[k] = &p;
+            } else if (nic_sender_[k] != &p) {
+                nic_shared_[k] = 1;
+            }
             uint64_t handle = 0;
             if (!resolve(k, addrs[k], handle)) continue;
             p.nic_addrs[k] = addrs[k];
@@ -2069,7 +2081,7 @@ class Engine {
         }
         std::string ack(9, '\0');
         std::memcpy(&ack[0], &incarnation_, 8);
-        ack[8] = static_cast<char>(attributes_ ? 1 : 0);
+        ack[8] = 1;  // counts are kept per sender (whether a query's are exact is told with them)
         send_or_queue(kFrameHelloAck, from, session, std::move(ack));
     }
 
@@ -2207,14 +2219,25 @@ class Engine {
         }
     }
 
+    // An imm counted on NIC ``nic`` > 0 goes to its sender's sums: the sender whose handle the
+    // domain reported as its source, or, where the domain reported none (a provider without
+    // FI_SOURCE, or one that leaves it out: libfabric 2.x's rxm does for every remote write),
+    // the one engine that ever said hello naming this NIC, if only one ever did. WriteImms use
+    // a NIC > 0 only once their sender's hello was answered, so then none can come from anyone
+    // else. Otherwise the imm is unattributed, and no sender's counts on this NIC are exact
+    // any more (answer_queries).
     void attribute(uint32_t nic, uint64_t src, uint32_t imm) {
         auto& m = attrib_[nic];
         auto it = m.find(src);
-        if (it == m.end()) {
+        PeerState* sender = it != m.end() ? it->second : nullptr;
+        if (src == kNoSource) sourceless_[nic]++;
+        if (!sender && src == kNoSource && !nic_shared_[nic] && nic_sender_[nic] && nic_sender_[nic]->rx_session != 0)
+            sender = nic_sender_[nic];
+        if (!sender) {
             unattributed_[nic]++;
             return;
         }
-        PeerState& p = *it->second;
+        PeerState& p = *sender;
         if (p.paths.size() <= nic) p.paths.resize(nics_.size());
         p.paths[nic].rx.add(imm);
     }
@@ -2341,7 +2364,7 @@ class Engine {
             uint8_t valid = 0;
             PowerSums sums;
             uint64_t session = 0;
-            if (it != peer_state_.end() && q.nic < nics_.size() && q.nic > 0 && attributes_) {
+            if (it != peer_state_.end() && q.nic < nics_.size() && q.nic > 0) {
                 PeerState& p = it->second;
                 if (p.paths.size() <= q.nic) p.paths.resize(nics_.size());
                 session = p.rx_session;
@@ -3077,7 +3100,9 @@ class Engine {
     static constexpr auto kCutEvery = std::chrono::milliseconds(100);
     std::vector<std::unordered_map<uint64_t, PeerState*>> attrib_;  // per NIC: source handle -> sender
     std::vector<uint64_t> unattributed_;  // per NIC: imms counted whose sender could not be told
-    bool attributes_ = true;              // every NIC > 0 reports imm sources
+    std::vector<uint64_t> sourceless_;    // per NIC: imms its domain reported without a source
+    std::vector<PeerState*> nic_sender_;  // per NIC: the first engine whose hello named it
+    std::vector<uint8_t> nic_shared_;     // per NIC: a second one's hello named it too
     uint64_t incarnation_ = 0;            // random per engine: a restart shows in hellos and answers
     uint64_t session_seq_ = 0, query_nonce_ = 0;
     struct Query {

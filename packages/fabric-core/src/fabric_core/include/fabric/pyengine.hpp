@@ -437,6 +437,8 @@ class PyEngine {
             d["unposted_per_nic"] = e.unposted_per_nic;
             d["pokes_sent"] = e.pokes_sent;
             d["paths_cut"] = e.paths_cut;
+            d["imms_without_source"] = e.imms_without_source;
+            d["imms_unattributed"] = e.imms_unattributed;
             d["counter_spinners"] = e.counter_spinners;
             d["drainers"] = e.drainers;
             d["worker_deferring"] = e.worker_deferring;
