@@ -220,7 +220,7 @@ def _efa_on_libfabric2(session: nox.Session) -> None:
 def efa_libfabric2(session: nox.Session) -> None:
     """fabric-efa built against the system libfabric, run against libfabric 2.x (built once
     from Debian 13's source into nox's cache); also part of ``check``."""
-    _install(session, "test")
+    _install(session, "test", "lint")
     _efa_install(session)
     _efa_on_libfabric2(session)
 
