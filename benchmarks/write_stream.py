@@ -177,10 +177,13 @@ def main() -> None:
         summary["ceiling_gbytes_per_s"] = statistics.median(r["ceiling_gbytes_per_s"] for r in rounds)
     sys.stdout.write("medians: " + ", ".join(f"{k} {v:.2f}" for k, v in summary.items()) + "\n")
     if args.json:
+        from fabric_efa import _efa  # (the libfabric this process loaded: the workers load the same)
+
         doc = {
             "what": "a stream of equal writes, one submit_write per write against submit_scatter batches "
             "(write_stream.py)",
             "provider": args.provider,
+            "libfabric": ".".join(map(str, _efa.libfabric_version())),
             "size": args.size,
             "window": args.window,
             "batch": args.batch,
