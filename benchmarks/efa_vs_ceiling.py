@@ -102,7 +102,10 @@ def main() -> int:
     ap.add_argument("--paired", action="store_true", help="ratios within size-by-size pairs (see above)")
     args = ap.parse_args()
     med = statistics.median
+    from fabric_efa import _efa  # the libfabric the runs load (the same loader path)
+
     report: dict[str, Any] = {
+        "libfabric": ".".join(map(str, _efa.libfabric_version())),
         "sizes": SIZES,
         "reps": args.reps,
         "method": "paired" if args.paired else "sweeps",
