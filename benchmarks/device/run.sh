@@ -21,7 +21,8 @@
 # repetitions, default 5), write-stream (benchmarks/write_stream.py on shm and tcp;ofi_rxm at 64 KiB:
 # one submit_write per write against submit_scatter batches, beside that ceiling; ROUNDS
 # rounds, default 3), write-stream-lf2 (the same against libfabric 2.x, built here from the
-# source prepare.sh --libfabric2 carries: tools/libfabric2.sh).
+# source prepare.sh --libfabric2 carries: tools/libfabric2.sh), ceiling-lf2 (efa_vs_ceiling.py
+# --paired against that libfabric 2.x; REPS pairs, default 3).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 dest=${OUT:-$PWD/gpu-out}
@@ -102,6 +103,11 @@ for step in "$@"; do
     ceiling) run_step ceiling bash -c "cc -O2 -Wall -I/tmp/fabric-fi/include -o /tmp/fi_ceiling \
            benchmarks/ceiling/fi_ceiling.c -L/tmp/fabric-fi/lib -lfabric && \
            '$py' benchmarks/efa_vs_ceiling.py /tmp/fi_ceiling '$out/ceiling' --reps ${REPS:-5} \
+           --providers ${PROVIDERS:-shm,tcp}" ;;
+    ceiling-lf2) run_step ceiling-lf2 bash -c "bash tools/libfabric2.sh /tmp/fabric-lf2 .gpu/libfabric2-src.tgz && \
+           export LD_LIBRARY_PATH=/tmp/fabric-lf2/lib && cc -O2 -Wall -I/tmp/fabric-fi/include -o /tmp/fi_ceiling \
+           benchmarks/ceiling/fi_ceiling.c -L/tmp/fabric-fi/lib -lfabric && \
+           '$py' benchmarks/efa_vs_ceiling.py /tmp/fi_ceiling '$out/ceiling-lf2' --paired --reps ${REPS:-3} \
            --providers ${PROVIDERS:-shm,tcp}" ;;
     write-stream) run_step write-stream bash -c "$(write_stream write-stream)" ;;
     write-stream-lf2) run_step write-stream-lf2 bash -c "bash tools/libfabric2.sh /tmp/fabric-lf2 \
