@@ -215,7 +215,6 @@ struct PeerState {
     std::vector<PathState> paths;        // per NIC
     uint64_t session = 0;                // as a sender: the hello's nonce (0: none yet)
     bool session_ok = false;             // its answer came
-    bool reconcilable = false;           // the peer attributes imms to their sources
     uint64_t peer_incarnation = 0;       // from the answer: a restart shows as a new one
     Clock::time_point hello_sent{};
     uint64_t rx_session = 0;             // as a target: the session its rx sums belong to
@@ -392,7 +391,7 @@ struct PeerView {
     double probe_out_s;  // negative: no probe outstanding
     uint64_t probes;
     bool lost;
-    std::string session;           // NIC-loss session: none, hello sent, reconcilable, unattributed
+    std::string session;           // NIC-loss session: none, hello sent, reconcilable (answered)
     std::vector<size_t> down_nics;  // NICs whose path to it is avoided now
 };
 struct AccessCheckView {  // a question out to a target (Engine::check_access)
@@ -980,8 +979,7 @@ class Engine {
             v.probe_out_s = p.probe_sent == Clock::time_point{} ? -1.0 : secs(now - p.probe_sent);
             v.probes = p.probes;
             v.lost = p.lost;
-            v.session = p.session_ok ? (p.reconcilable ? "reconcilable" : "unattributed")
-                        : p.session != 0 ? "hello sent" : "none";
+            v.session = p.session_ok ? "reconcilable" : p.session != 0 ? "hello sent" : "none";
             for (size_t k = 1; k < p.paths.size(); k++)
                 if (now < p.paths[k].down_until || !p.paths[k].failed.empty()) v.down_nics.push_back(k);
             out.peers.push_back(std::move(v));
@@ -1864,7 +1862,6 @@ class Engine {
                     if (p.session == nonce && !p.session_ok) {
                         p.session_ok = true;
                         std::memcpy(&p.peer_incarnation, extra, 8);
-                        p.reconcilable = extra[8] != 0;
                         if (p.paths.size() != nics_.size()) p.paths.resize(nics_.size());
                         for (auto& path : p.paths) {
                             path.tx = PowerSums{};
@@ -2081,7 +2078,8 @@ class Engine {
         }
         std::string ack(9, '\0');
         std::memcpy(&ack[0], &incarnation_, 8);
-        ack[8] = 1;  // counts are kept per sender (whether a query's are exact is told with them)
+        ack[8] = 1;  // (unread: every target keeps counts per sender; a query's answer says
+                     // whether they are exact, answer_queries)
         send_or_queue(kFrameHelloAck, from, session, std::move(ack));
     }
 
@@ -2331,7 +2329,7 @@ class Engine {
                     continue;
                 }
                 if (path.imm_busy > 0) continue;  // not quiet yet
-                if (!p.session_ok || !p.reconcilable) {
+                if (!p.session_ok) {
                     fail_path(p, k, "its NIC " + std::to_string(k) + " was lost (" + last_path_error_ +
                                         ") and the peer cannot tell which of its WriteImms it counted");
                     continue;
