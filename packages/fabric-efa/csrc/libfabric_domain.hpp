@@ -23,6 +23,7 @@
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -169,7 +170,15 @@ class LibfabricDomain {
             hints->caps |= FI_HMEM;
             hints->domain_attr->mr_mode |= FI_MR_HMEM;
         }
+        // shm: writes, and a send after writes, applied in the order posted (delivery markers,
+        // see the end of the constructor); dropped where refused.
+        const bool ordered = provider == "shm";
+        if (ordered) hints->tx_attr->msg_order = FI_ORDER_RMA_WAW | FI_ORDER_SAW;
         int rc = getinfo(hints, &info_, source);
+        if (rc != 0 && ordered) {
+            hints->tx_attr->msg_order = 0;
+            rc = getinfo(hints, &info_, source);
+        }
         if (rc != 0 && hmem) {
             hints->caps &= ~FI_HMEM;
             hints->domain_attr->mr_mode &= ~FI_MR_HMEM;
@@ -231,6 +240,20 @@ class LibfabricDomain {
             throw;
         }
         index_ = static_cast<uint32_t>(index);
+        // shm sends a delivery-complete write of at most its inject size through its bounce
+        // buffers, one such transfer in flight per peer (smr_select_proto, smr_format_sar in
+        // libfabric 1.17 and 2.x): a stream of small writes to one peer went one at a time,
+        // each waiting for the target to copy the one before. Where the provider applies
+        // writes, and a send after writes, in the order they were posted (FI_ORDER_RMA_WAW,
+        // FI_ORDER_SAW: shm has one command queue per peer, taken in order), such writes go
+        // as injects instead, many in flight, and each one's completion is held back until a
+        // delivery-complete marker (a two-byte control frame to the peer engine's NIC 0,
+        // where its receives are) posted after it completes: the target has then applied it.
+        // So a completed write's bytes are still in place at the target. NIC 0 only: the
+        // target engine posts receives there alone.
+        const uint64_t order = info_->tx_attr->msg_order;
+        inject_size_ = info_->tx_attr->inject_size;
+        markers_ = shm_ && index == 0 && inject_size_ > 0 && (order & FI_ORDER_RMA_WAW) && (order & FI_ORDER_SAW);
     }
 
     ~LibfabricDomain() { close(); }
@@ -381,6 +404,8 @@ class LibfabricDomain {
                 return 0;
             }
         }
+        auto* op = static_cast<OpCtx*>(ctx);  // (the engine's context for every post)
+        op->domain_peer = 0;
         // shm: a write the target would refuse is never posted (its region table says so),
         // and one that is posted holds its table entry until it completes (see region_table).
         std::atomic<int64_t>* hold = nullptr;
@@ -408,12 +433,15 @@ class LibfabricDomain {
         msg.context = ctx;
         msg.data = w.imm;
         // Delivery-complete: a completed write's bytes are in place at the target. A zero-length
-        // write has no bytes, and shm never completes one asked to deliver-complete.
-        uint64_t flags = FI_COMPLETION | (w.len ? FI_DELIVERY_COMPLETE : 0) | (w.has_imm ? FI_REMOTE_CQ_DATA : 0);
+        // write has no bytes, and shm never completes one asked to deliver-complete. A small
+        // write on shm gets there under a delivery marker instead (markers_, post_markers).
+        const bool marked = markers_ && w.len > 0 && w.len <= inject_size_;
+        uint64_t flags = FI_COMPLETION | (w.len && !marked ? FI_DELIVERY_COMPLETE : 0) |
+                         (w.has_imm ? FI_REMOTE_CQ_DATA : 0);
+        if (marked) op->domain_peer = w.peer + 1;
         ssize_t rc = fi_writemsg(ep_, &msg, flags);
         if (hold) {
             if (rc == 0) {
-                auto* op = static_cast<OpCtx*>(ctx);  // (the engine's context for every post)
                 op->domain_word = hold;
                 op->domain_index = held_.size();
                 held_.push_back(op);
@@ -431,6 +459,11 @@ class LibfabricDomain {
     // and write of this endpoint to every peer, for good (libfabric 1.17 smr_progress_resp).
     // Transmit-complete sends of at most the inject size never enter that queue.
     int post_send(const void* buf, size_t len, void* desc, uint64_t peer, void* ctx) {
+        ssize_t rc = send_msg(buf, len, desc, peer, ctx, FI_COMPLETION | FI_TRANSMIT_COMPLETE);
+        return rc == -FI_EAGAIN ? -EAGAIN : static_cast<int>(rc);
+    }
+
+    ssize_t send_msg(const void* buf, size_t len, void* desc, uint64_t peer, void* ctx, uint64_t flags) {
         iovec iov{const_cast<void*>(buf), len};
         void* d = desc;
         fi_msg msg{};
@@ -439,8 +472,7 @@ class LibfabricDomain {
         msg.iov_count = 1;
         msg.addr = peer;
         msg.context = ctx;
-        ssize_t rc = fi_sendmsg(ep_, &msg, FI_COMPLETION | FI_TRANSMIT_COMPLETE);
-        return rc == -FI_EAGAIN ? -EAGAIN : static_cast<int>(rc);
+        return fi_sendmsg(ep_, &msg, flags);
     }
 
     int post_recv(void* buf, size_t len, void* desc, void* ctx) {
@@ -454,6 +486,14 @@ class LibfabricDomain {
 
     template <class Sink>
     size_t poll(Sink& sink) {
+        size_t n = poll_cq(sink);
+        if (!unmarked_.empty()) n += post_markers(sink);
+        return n;
+    }
+
+  private:
+    template <class Sink>
+    size_t poll_cq(Sink& sink) {
         bool failed = failed_.load(std::memory_order_acquire);
         if (failed || !dropped_.empty()) {
             std::vector<void*> dropped;
@@ -480,6 +520,10 @@ class LibfabricDomain {
                 char buf[256] = {0};
                 const char* detail = fi_cq_strerror(cq_, err.prov_errno, err.err_data, buf, sizeof(buf));
                 std::string message = std::string(fi_strerror(err.err)) + (detail ? std::string(" (") + detail + ")" : "");
+                if (is_marker(err.op_context)) {
+                    marker_done(static_cast<Marker*>(err.op_context), sink, status_of(err.err), message);
+                    return 1;
+                }
                 unhold(err.op_context);
                 sink.on_error(err.op_context, status_of(err.err), message);
             }
@@ -496,8 +540,20 @@ class LibfabricDomain {
             if (e.flags & FI_RECV) {
                 sink.on_recv(e.op_context, e.len);
             } else if (e.flags & FI_SEND) {
-                sink.on_send_done(e.op_context);
+                if (is_marker(e.op_context)) {
+                    marker_done(static_cast<Marker*>(e.op_context), sink, 0, std::string());
+                } else {
+                    sink.on_send_done(e.op_context);
+                }
             } else if (e.flags & (FI_WRITE | FI_RMA)) {
+                auto* op = static_cast<OpCtx*>(e.op_context);
+                if (op != nullptr && op->domain_peer != 0 && !failed) {  // sent, not yet known applied
+                    PeerMarks& pm = marks_for(op->domain_peer - 1);
+                    pm.waiting.push_back(op);
+                    if (pm.waiting.size() == 1 && !pm.marker.out) unmarked_.push_back(op->domain_peer - 1);
+                    continue;
+                }
+                if (op != nullptr) op->domain_peer = 0;
                 unhold(e.op_context);
                 if (failed) {
                     sink.on_error(e.op_context, kTransport, "NIC down (injected): acknowledgement lost");
@@ -509,7 +565,101 @@ class LibfabricDomain {
         return static_cast<size_t>(got);
     }
 
-  private:
+    // Delivery markers (markers_). Per peer: the small writes whose injects completed and that
+    // wait for a marker, and the one marker in flight with the writes it covers (everything
+    // the peer was sent before it). The marker's context is the Marker itself.
+    struct Marker {
+        alignas(16) unsigned char provider_scratch[64];
+        uint64_t peer = 0;
+        bool out = false;
+        std::vector<OpCtx*> covered;
+    };
+    struct PeerMarks {
+        std::vector<OpCtx*> waiting;
+        Marker marker;
+    };
+
+    PeerMarks& marks_for(uint64_t peer) {
+        auto& slot = marks_[peer];
+        if (!slot) {
+            slot = std::make_unique<PeerMarks>();
+            slot->marker.peer = peer;
+        }
+        return *slot;
+    }
+
+    bool is_marker(void* ctx) const { return markers_out_ > 0 && ctx != nullptr && marker_ctxs_.count(ctx) > 0; }
+
+    // Posts a marker to each peer with writes waiting and none in flight; a peer whose queue
+    // is full (-FI_EAGAIN) is tried again at the next poll. A marker the provider refuses
+    // outright fails the writes it would have covered (whether they landed is unknown, as for
+    // any write that fails).
+    template <class Sink>
+    size_t post_markers(Sink& sink) {
+        std::vector<uint64_t> peers;
+        peers.swap(unmarked_);
+        size_t posted = 0;
+        for (uint64_t peer : peers) {
+            PeerMarks& pm = marks_for(peer);
+            if (pm.marker.out || pm.waiting.empty()) continue;  // (its marker's completion comes back for them)
+            if (!marker_desc_ready_) {
+                marker_desc_ = local_mr() ? local_desc(marker_frame_, sizeof(marker_frame_)) : nullptr;
+                marker_desc_ready_ = true;
+            }
+            ssize_t rc = send_msg(marker_frame_, sizeof(marker_frame_), marker_desc_, peer, &pm.marker,
+                                  FI_COMPLETION | FI_DELIVERY_COMPLETE);
+            if (rc == -FI_EAGAIN) {
+                unmarked_.push_back(peer);
+                continue;
+            }
+            if (rc != 0) {
+                std::vector<OpCtx*> lost;
+                lost.swap(pm.waiting);
+                const int32_t status = rc == -FI_EHOSTUNREACH || rc == -FI_ECONNREFUSED || rc == -FI_ENOTCONN
+                                           ? int32_t(kPeerUnreachable)
+                                           : int32_t(kTransport);
+                const std::string why = std::string("confirming delivery failed: ") + fi_strerror(int(-rc));
+                for (OpCtx* op : lost) {
+                    op->domain_peer = 0;
+                    unhold(op);
+                    sink.on_error(op, status, why);
+                }
+                posted += lost.size();
+                continue;
+            }
+            pm.marker.out = true;
+            pm.marker.covered.swap(pm.waiting);
+            marker_ctxs_.insert(&pm.marker);
+            markers_out_++;
+            posted++;
+        }
+        return posted;
+    }
+
+    // A marker completed (``status`` 0) or failed: the writes it covers are reported so.
+    template <class Sink>
+    void marker_done(Marker* m, Sink& sink, int32_t status, const std::string& message) {
+        marker_ctxs_.erase(m);
+        markers_out_--;
+        m->out = false;
+        std::vector<OpCtx*> covered;
+        covered.swap(m->covered);
+        const bool failed = failed_.load(std::memory_order_acquire);
+        for (OpCtx* op : covered) {
+            op->domain_peer = 0;
+            unhold(op);
+            if (status != 0) {
+                sink.on_error(op, status, message);
+            } else if (failed) {
+                sink.on_error(op, kTransport, "NIC down (injected): acknowledgement lost");
+            } else {
+                sink.on_write_done(op);  // (may free the op: not touched after)
+            }
+        }
+        PeerMarks& pm = marks_for(m->peer);
+        if (!pm.waiting.empty()) unmarked_.push_back(m->peer);
+    }
+
     // A posted write has completed (or failed): the region-table hold it took is given back.
     void unhold(void* ctx) {
         if (held_.empty() || ctx == nullptr) return;
@@ -529,6 +679,10 @@ class LibfabricDomain {
             op->domain_word = nullptr;
         }
         held_.clear();
+        marks_.clear();  // (writes held back there are never reported, as those held above)
+        marker_ctxs_.clear();
+        unmarked_.clear();
+        markers_out_ = 0;
         views_.clear();
         views_by_name_.clear();
         table_.reset();
@@ -574,6 +728,17 @@ class LibfabricDomain {
     std::vector<OpCtx*> held_;  // each at its domain_index
     std::vector<std::pair<void*, std::string>> refused_;
     static constexpr uint64_t kLocalKeyBase = uint64_t(1) << 48;
+    // Delivery markers for small writes on shm (see the end of the constructor; touched under
+    // the engine's progress lock): the peers with writes waiting for one, and those in flight.
+    bool markers_ = false;
+    size_t inject_size_ = 0;
+    std::unordered_map<uint64_t, std::unique_ptr<PeerMarks>> marks_;
+    std::vector<uint64_t> unmarked_;
+    std::unordered_set<void*> marker_ctxs_;
+    size_t markers_out_ = 0;
+    char marker_frame_[2] = {kFrameDeliveryMarker, 0};
+    void* marker_desc_ = nullptr;
+    bool marker_desc_ready_ = false;
 };
 
 }  // namespace fabric::efa

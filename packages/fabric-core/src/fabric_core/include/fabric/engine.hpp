@@ -124,6 +124,12 @@
 
 namespace fabric {
 
+// The first byte of a control frame that a domain, not the engine, sends to a peer engine's
+// NIC 0 (its only receives): fabric-efa's shm domain confirms the delivery of small writes
+// with one (LibfabricDomain::post_markers). Two bytes: the type and an empty address. The
+// engine takes it as it takes any frame of a type it does not know: it ignores it (got_message).
+inline constexpr char kFrameDeliveryMarker = 11;
+
 // Status codes handed to Python (mapped to the error tree there).
 enum Status : int32_t {
     kOk = 0,
@@ -308,6 +314,9 @@ struct OpCtx {
     // touches them): fabric-efa's shm domain keeps the region-table hold the write took there.
     void* domain_word = nullptr;
     size_t domain_index = 0;
+    // The domain's own too: fabric-efa's shm domain marks a small write whose completion it
+    // holds back until a delivery marker posted after it completes (kFrameDeliveryMarker).
+    uint64_t domain_peer = 0;
     // A list op (pages > 0): ``pages`` writes of ``len`` bytes each, from the request's
     // list_src[first_page + i] to list_dst[first_page + i], handed to the domain in one
     // post_write_list and reported once, as one work request of the engine (see Request). Made
@@ -2992,7 +3001,7 @@ class Engine {
     char* send_slot(size_t i) { return send_arena_.data() + i * frame_; }
     static constexpr char kFrameUser = 0, kFramePing = 1, kFramePong = 2, kFrameHello = 3, kFrameHelloAck = 4,
                           kFrameQuery = 5, kFrameCounts = 6, kFramePathReset = 7, kFramePoke = 8,
-                          kFrameAccess = 9, kFrameAccessAnswer = 10;
+                          kFrameAccess = 9, kFrameAccessAnswer = 10;  // 11: kFrameDeliveryMarker
 
     static constexpr int kRerouted = 1;  // post(): the op moved to another NIC's queue
     static constexpr int kCapped = 2;    // post(): its peer has the queue depth's worth posted
