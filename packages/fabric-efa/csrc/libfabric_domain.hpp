@@ -249,8 +249,9 @@ class LibfabricDomain {
         // as injects instead, many in flight, and each one's completion is held back until a
         // delivery-complete marker (a two-byte control frame to the peer engine's NIC 0,
         // where its receives are) posted after it completes: the target has then applied it.
-        // So a completed write's bytes are still in place at the target. NIC 0 only: the
-        // target engine posts receives there alone.
+        // So a completed write's bytes are still in place at the target. For the writes of
+        // requests of several only (post_write). NIC 0 only: the target engine posts receives
+        // there alone.
         const uint64_t order = info_->tx_attr->msg_order;
         inject_size_ = info_->tx_attr->inject_size;
         markers_ = shm_ && index == 0 && inject_size_ > 0 && (order & FI_ORDER_RMA_WAW) && (order & FI_ORDER_SAW);
@@ -435,7 +436,10 @@ class LibfabricDomain {
         // Delivery-complete: a completed write's bytes are in place at the target. A zero-length
         // write has no bytes, and shm never completes one asked to deliver-complete. A small
         // write on shm gets there under a delivery marker instead (markers_, post_markers).
-        const bool marked = markers_ && w.len > 0 && w.len <= inject_size_;
+        // Only writes of requests of several (WriteOp::batch): a lone one still goes delivery
+        // complete, as a marker behind it cost a round trip of 8-byte writes twice the time
+        // (fabric bench, alternated; docs/backends/efa.md).
+        const bool marked = markers_ && w.batch && w.len > 0 && w.len <= inject_size_;
         uint64_t flags = FI_COMPLETION | (w.len && !marked ? FI_DELIVERY_COMPLETE : 0) |
                          (w.has_imm ? FI_REMOTE_CQ_DATA : 0);
         if (marked) op->domain_peer = w.peer + 1;

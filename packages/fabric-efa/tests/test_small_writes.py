@@ -2,12 +2,14 @@
 transfer completes.
 
 shm sends a delivery-complete write of at most its inject size (4 KiB) through its bounce
-buffers, one at a time per peer, so fabric-efa sends such writes as injects and holds each
-one's completion back until a delivery marker posted after it has completed
+buffers, one at a time per peer, so fabric-efa sends such writes, where their request has
+several, as injects and holds each one's completion back until a delivery marker posted after
+it has completed
 (LibfabricDomain::post_markers; docs/backends/efa.md, "One small delivery-complete write in
 flight per peer on shm"). These tests check both halves: that the writes do not go one at a
 time, and that a completed write's bytes are already at the target, read from the target's
-own memory the moment the writer sees each transfer complete.
+own memory the moment the writer sees each transfer complete (a request of one write goes
+delivery complete, under no marker; a paged request's under markers).
 """
 
 from __future__ import annotations

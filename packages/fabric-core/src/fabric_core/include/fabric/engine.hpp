@@ -271,6 +271,9 @@ struct WriteOp {
     uint64_t rkey;
     bool has_imm;
     uint32_t imm;
+    // one of several work requests of its request (a domain may post it otherwise: fabric-efa
+    // puts such small writes on shm under delivery markers, and a lone one not)
+    bool batch = false;
 };
 
 // A destination region. Shared by every request to it; ``peers`` caches the resolved peer
@@ -1471,6 +1474,7 @@ class Engine {
         w.raddr = (nics_[n]->virt_addr() ? t.remote_base : 0) + op.dst_off;
         w.rkey = t.rkeys[n];
         w.has_imm = imm;
+        w.batch = r.wrs() > 1;
         w.imm = r.imm;
         bool capped = counts_toward_queue_depth(*nics_[n], w, 0);
         if (capped && over_queue_depth(*t.state, op)) return kCapped;
