@@ -255,6 +255,13 @@ class LibfabricDomain {
         const uint64_t order = info_->tx_attr->msg_order;
         inject_size_ = info_->tx_attr->inject_size;
         markers_ = shm_ && index == 0 && inject_size_ > 0 && (order & FI_ORDER_RMA_WAW) && (order & FI_ORDER_SAW);
+        if (markers_ && local_mr()) {  // the marker frame's registration, once
+            try {
+                marker_desc_ = local_desc(marker_frame_, sizeof(marker_frame_));
+            } catch (const LibfabricError&) {
+                markers_ = false;  // every write delivery complete, as without markers
+            }
+        }
     }
 
     ~LibfabricDomain() { close(); }
@@ -592,7 +599,7 @@ class LibfabricDomain {
         return *slot;
     }
 
-    bool is_marker(void* ctx) const { return markers_out_ > 0 && ctx != nullptr && marker_ctxs_.count(ctx) > 0; }
+    bool is_marker(void* ctx) const { return !marker_ctxs_.empty() && marker_ctxs_.count(ctx) > 0; }
 
     // Posts a marker to each peer with writes waiting and none in flight; a peer whose queue
     // is full (-FI_EAGAIN) is tried again at the next poll. A marker the provider refuses
@@ -606,10 +613,6 @@ class LibfabricDomain {
         for (uint64_t peer : peers) {
             PeerMarks& pm = marks_for(peer);
             if (pm.marker.out || pm.waiting.empty()) continue;  // (its marker's completion comes back for them)
-            if (!marker_desc_ready_) {
-                marker_desc_ = local_mr() ? local_desc(marker_frame_, sizeof(marker_frame_)) : nullptr;
-                marker_desc_ready_ = true;
-            }
             ssize_t rc = send_msg(marker_frame_, sizeof(marker_frame_), marker_desc_, peer, &pm.marker,
                                   FI_COMPLETION | FI_DELIVERY_COMPLETE);
             if (rc == -FI_EAGAIN) {
@@ -634,7 +637,6 @@ class LibfabricDomain {
             pm.marker.out = true;
             pm.marker.covered.swap(pm.waiting);
             marker_ctxs_.insert(&pm.marker);
-            markers_out_++;
             posted++;
         }
         return posted;
@@ -644,7 +646,6 @@ class LibfabricDomain {
     template <class Sink>
     void marker_done(Marker* m, Sink& sink, int32_t status, const std::string& message) {
         marker_ctxs_.erase(m);
-        markers_out_--;
         m->out = false;
         std::vector<OpCtx*> covered;
         covered.swap(m->covered);
@@ -686,7 +687,6 @@ class LibfabricDomain {
         marks_.clear();  // (writes held back there are never reported, as those held above)
         marker_ctxs_.clear();
         unmarked_.clear();
-        markers_out_ = 0;
         views_.clear();
         views_by_name_.clear();
         table_.reset();
@@ -738,11 +738,9 @@ class LibfabricDomain {
     size_t inject_size_ = 0;
     std::unordered_map<uint64_t, std::unique_ptr<PeerMarks>> marks_;
     std::vector<uint64_t> unmarked_;
-    std::unordered_set<void*> marker_ctxs_;
-    size_t markers_out_ = 0;
+    std::unordered_set<void*> marker_ctxs_;  // the markers in flight (their contexts)
     char marker_frame_[2] = {kFrameDeliveryMarker, 0};
-    void* marker_desc_ = nullptr;
-    bool marker_desc_ready_ = false;
+    void* marker_desc_ = nullptr;  // its registration where the provider wants one (FI_MR_LOCAL)
 };
 
 }  // namespace fabric::efa
