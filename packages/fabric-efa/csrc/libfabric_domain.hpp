@@ -118,6 +118,7 @@ struct ProviderInfo {
     uint64_t cq_data_size = 0;
     uint64_t max_tx = 0;
     bool hmem = false;
+    bool markers = false;  // small writes confirmed by delivery markers (LibfabricDomain: markers_)
 };
 
 // shm's regions are files in /dev/shm named after their process: "<pid>:<uid>:<n>", or
@@ -143,9 +144,11 @@ class LibfabricDomain {
   public:
     // Opens the index-th endpoint on `provider` (several per process emulate several NICs).
     // ``source``: the local address to bind to (see getinfo), or empty.
-    // ``hmem``: ask for FI_HMEM (CUDA memory), where the provider has it.
+    // ``hmem``: ask for FI_HMEM (CUDA memory), where the provider has it. ``markers``: delivery
+    // markers where the provider allows (the end of the constructor); off, every write with
+    // bytes goes delivery complete.
     LibfabricDomain(const std::string& provider, int index, size_t cq_size, const std::string& source = std::string(),
-                    bool hmem = false) {
+                    bool hmem = false, bool markers = true) {
         fi_info* hints = fi_allocinfo();
         if (!hints) throw std::bad_alloc();
         hints->ep_attr->type = FI_EP_RDM;
@@ -171,7 +174,9 @@ class LibfabricDomain {
             hints->domain_attr->mr_mode |= FI_MR_HMEM;
         }
         // shm: writes, and a send after writes, applied in the order posted (delivery markers,
-        // see the end of the constructor); dropped where refused.
+        // see the end of the constructor); dropped where refused. Asked for with markers off
+        // too: shm's entries differ in their memory-registration mode (virtual addresses or
+        // offsets), and peers on different entries would misread each other's addresses.
         const bool ordered = provider == "shm";
         if (ordered) hints->tx_attr->msg_order = FI_ORDER_RMA_WAW | FI_ORDER_SAW;
         int rc = getinfo(hints, &info_, source);
@@ -254,7 +259,8 @@ class LibfabricDomain {
         // there alone.
         const uint64_t order = info_->tx_attr->msg_order;
         inject_size_ = info_->tx_attr->inject_size;
-        markers_ = shm_ && index == 0 && inject_size_ > 0 && (order & FI_ORDER_RMA_WAW) && (order & FI_ORDER_SAW);
+        markers_ = markers && shm_ && index == 0 && inject_size_ > 0 && (order & FI_ORDER_RMA_WAW) &&
+                   (order & FI_ORDER_SAW);
         if (markers_ && local_mr()) {  // the marker frame's registration, once
             try {
                 marker_desc_ = local_desc(marker_frame_, sizeof(marker_frame_));
@@ -279,6 +285,7 @@ class LibfabricDomain {
         p.cq_data_size = info_->domain_attr->cq_data_size;
         p.max_tx = info_->tx_attr->size;
         p.hmem = (info_->caps & FI_HMEM) != 0;
+        p.markers = markers_;
         return p;
     }
 

@@ -33,8 +33,8 @@ namespace {
 class EfaEngine : public fabric::PyEngine<Domain> {
   public:
     EfaEngine(const std::string& provider, int nics, std::optional<uint64_t> chaos_seed, int cpu, size_t recv_depth,
-              size_t max_send, const std::vector<std::string>& sources, bool hmem, int ipc_device)
-        : PyEngine(open(provider, nics, sources, hmem, ipc_device), chaos_seed, cpu, recv_depth, max_send),
+              size_t max_send, const std::vector<std::string>& sources, bool hmem, int ipc_device, bool markers)
+        : PyEngine(open(provider, nics, sources, hmem, ipc_device, markers), chaos_seed, cpu, recv_depth, max_send),
           info_(engine().nic(0).info()),
           cuda_ipc_(engine().nic(0).cuda_ipc()),
           kernel_off_(engine().nic(0).copy_kernel_off()),
@@ -51,6 +51,9 @@ class EfaEngine : public fabric::PyEngine<Domain> {
         d["cq_data_size"] = info_.cq_data_size;
         d["tx_size"] = info_.max_tx;
         d["hmem"] = info_.hmem;
+        // whether NIC 0 confirms small writes that go with others by delivery markers (shm)
+        // instead of asking each for delivery complete (libfabric_domain.hpp)
+        d["delivery_markers"] = info_.markers;
         d["cuda_ipc"] = cuda_ipc_;
         // why small CUDA IPC copies are not batched into kernel launches, or why imms take the
         // provider rather than the inbox ("" where they are, or where there is no CUDA IPC)
@@ -68,14 +71,16 @@ class EfaEngine : public fabric::PyEngine<Domain> {
   private:
     // ``sources``: empty, or the local address each NIC binds to. ``hmem``: ask for FI_HMEM
     // (there is a GPU whose memory to register). ``ipc_device``: >= 0: carry CUDA memory over
-    // CUDA IPC, with that device's primary context (fabric/cuda_ipc.hpp).
+    // CUDA IPC, with that device's primary context (fabric/cuda_ipc.hpp). ``markers``: delivery
+    // markers where the provider allows (LibfabricDomain).
     static std::vector<std::unique_ptr<Domain>> open(const std::string& provider, int nics,
                                                      const std::vector<std::string>& sources, bool hmem,
-                                                     int ipc_device) {
+                                                     int ipc_device, bool markers) {
         std::vector<std::unique_ptr<Domain>> domains;
         for (int i = 0; i < nics; i++)
-            domains.push_back(std::make_unique<Domain>(
-                ipc_device, provider, i, 4096, size_t(i) < sources.size() ? sources[size_t(i)] : std::string(), hmem));
+            domains.push_back(std::make_unique<Domain>(ipc_device, provider, i, 4096,
+                                                       size_t(i) < sources.size() ? sources[size_t(i)] : std::string(),
+                                                       hmem, markers));
         return domains;
     }
 
@@ -127,10 +132,10 @@ PYBIND11_MODULE(_efa, m) {
     py::class_<EfaEngine> engine(m, "Engine", py::module_local());
     engine
         .def(py::init<const std::string&, int, std::optional<uint64_t>, int, size_t, size_t,
-                      const std::vector<std::string>&, bool, int>(),
+                      const std::vector<std::string>&, bool, int, bool>(),
              py::arg("provider"), py::arg("nics"), py::arg("chaos_seed"), py::arg("cpu"), py::arg("recv_depth"),
              py::arg("max_send"), py::arg("sources") = std::vector<std::string>(), py::arg("hmem") = false,
-             py::arg("ipc_device") = -1)
+             py::arg("ipc_device") = -1, py::arg("markers") = true)
         .def("provider_info", &EfaEngine::provider_info)
         .def("inject_nic_failure", &EfaEngine::inject_nic_failure, py::arg("nic"), py::arg("failed"),
              py::arg("seed") = 0);

@@ -56,6 +56,7 @@ def test_info_lists_the_provider_its_limits_and_capabilities(provider: str) -> N
     domain = efa["topology"][0]["domains"][0]
     assert domain["provider"] == provider
     assert {"libfabric", "mr_mode", "inject_bytes", "tx_depth", "cq_data_bytes"} <= set(domain["details"])
+    assert domain["details"]["delivery_markers"] is (provider == "shm")  # (docs/backends/efa.md)
     text = _fabric("info", env=_env(provider))
     assert f"efa: available (provider {provider})" in text.stdout and "inject_bytes" in text.stdout
 

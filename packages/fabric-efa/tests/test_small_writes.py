@@ -39,12 +39,48 @@ def pool() -> Iterator[WorkerPool]:
         yield p
 
 
-def _writer(chaos: int | None) -> EfaEngine:
-    settings = load_settings(backend="efa", efa_provider=PROVIDER, nics=1, timeout_s=T, chaos_seed=chaos)
+def _writer(chaos: int | None, provider: str = PROVIDER, **extra: object) -> EfaEngine:
+    settings = load_settings(
+        backend="efa", efa_provider=provider, nics=1, timeout_s=T, chaos_seed=chaos, **extra
+    )
     probe = EfaBackend.probe(settings)
     if not probe.available:
         pytest.skip(probe.reason)
     return EfaEngine(settings)
+
+
+def test_markers_run_on_shm_alone_and_turn_off() -> None:
+    """``provider_info`` says whether NIC 0 confirms small writes by markers: on shm by
+    default, never on tcp (rxm's eager sends drop ``FI_DELIVERY_COMPLETE``, and a marker
+    write may meet a key its target has since retired), and not once
+    ``efa_delivery_markers`` is off."""
+    with _writer(None) as on, _writer(None, efa_delivery_markers=False) as off:
+        assert on.provider_info["delivery_markers"] is True
+        assert off.provider_info["delivery_markers"] is False
+    with _writer(None, "tcp;ofi_rxm") as tcp:
+        assert tcp.provider_info["delivery_markers"] is False
+
+
+def test_with_markers_off_each_write_is_still_in_place_when_it_completes(pool: WorkerPool) -> None:
+    writer = _writer(None, efa_delivery_markers=False)
+    target = RemoteEngine(pool, pool.workers[0], {"backend": "efa", "efa_provider": PROVIDER, "nics": 1})
+    pages, page = 4096, 256
+    src, dst = pool.alloc(pages * page), pool.alloc(pages * page)
+    try:
+        src[:] = np.random.default_rng(11).integers(1, 256, src.size, dtype=np.uint8)
+        dst[:] = 0
+        src_mr, dst_mr = writer.register(src), target.register(dst)
+        order = np.random.default_rng(12).permutation(pages).astype(np.int64)
+        t = writer.submit_paged_write(
+            src_mr, np.arange(pages, dtype=np.int64), page, dst_mr.descriptor, order, page, page
+        )
+        t.wait(T)
+        assert np.array_equal(dst.reshape(pages, page)[order], src.reshape(pages, page))
+        writer.deregister(src_mr)
+        target.deregister(dst_mr)
+    finally:
+        target.close()
+        writer.close()
 
 
 @pytest.mark.parametrize("size", [8, 256, 4096])

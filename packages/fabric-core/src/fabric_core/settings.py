@@ -97,6 +97,13 @@ class FabricSettings(BaseSettings):
         "CUDA IPC copies (NVLink or the GPU's copy engines) on the engine's own stream; the imm "
         "follows through the provider once the bytes are in place.",
     )
+    efa_delivery_markers: bool = Field(
+        True,
+        description="On shm, confirm the small writes of multi-write requests with delivery "
+        "markers (one delivery-complete control frame behind many writes that shm applies in "
+        "order) instead of asking each for delivery complete, which shm sends one at a time "
+        "per peer. Off: every write delivery complete.",
+    )
     worker_cpu: int | None = Field(
         None, description="Pin the engine's worker thread to this CPU (compiled backends)."
     )

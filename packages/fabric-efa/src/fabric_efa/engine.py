@@ -88,6 +88,9 @@ def _details(info: dict[str, Any]) -> dict[str, str | int | bool]:
         "inject_bytes": int(info["inject_size"]),
         "tx_depth": int(info["tx_size"]),
         "cq_data_bytes": int(info["cq_data_size"]),
+        # small writes of multi-write requests confirmed by delivery markers (shm), instead of
+        # each asking for delivery complete (docs/backends/efa.md)
+        "delivery_markers": bool(info["delivery_markers"]),
     }
 
 
@@ -134,6 +137,7 @@ class EfaEngine(NativeEngine):
                 sources,
                 cuda.available() and not ipc,  # FI_HMEM only where there is GPU memory to register
                 cuda.current_device() if ipc else -1,
+                settings.efa_delivery_markers,
             )
         except RuntimeError as exc:
             raise BackendUnavailable(
