@@ -52,9 +52,11 @@ def _request(prefill: int, i: int) -> tuple[str, list[int]]:
     return rid, torch.randperm(BLOCKS, generator=g)[:n].tolist()
 
 
-def _rank(rank: int, port: int, conn: Any, dying: bool) -> None:
+def _rank(rank: int, port: int, conn: Any, dying: str | None) -> None:
     """Rank 0 decodes, the others prefill. ``dying``: prefill 0 gets one request, writes its
-    first layer and exits; the decoder then expects that request to fail."""
+    first layer and exits; the decoder then expects that request to fail. It exits once that
+    layer's writes completed (``"after_its_writes"``) or as soon as they are submitted, its
+    engine's thread perhaps inside the provider's post (``"inside_a_post"``)."""
     import torch
     import torch.distributed as dist
 
@@ -71,6 +73,7 @@ def _rank(rank: int, port: int, conn: Any, dying: bool) -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=T))  # type: ignore[attr-defined]
     rdv = Rendezvous(store, rank=rank, world_size=1 + PREFILLS, prefix="kv", timeout=T)
     engine = open_engine("efa", efa_provider="shm", liveness_interval_s=0.1, liveness_timeout_s=1.0)
+    doomed: dict[str, Any] = {}  # the decoder's view of the dead prefill's request
     try:
         layout = _layout()
         if rank == 0:
@@ -87,7 +90,6 @@ def _rank(rank: int, port: int, conn: Any, dying: bool) -> None:
                     h = dec.receive(addrs[1 + p], rid, len(table))
                     h.on_done(lambda r, rid=rid: fired.__setitem__(rid, fired.get(rid, 0) + 1))
                     handles[rid] = (p, table, h)
-            doomed = {}
             if dying:
                 rid = _request(0, 0)[0]
                 _p0, _t0, h0 = handles.pop(rid)
@@ -95,7 +97,7 @@ def _rank(rank: int, port: int, conn: Any, dying: bool) -> None:
                 try:
                     h0.wait(T)
                 except Exception as exc:  # the typed error, checked by the test
-                    doomed = {"error": type(exc).__name__, "after_s": time.monotonic() - start}
+                    doomed.update(error=type(exc).__name__, after_s=time.monotonic() - start)
             for _p, _t, h in handles.values():
                 h.wait(T)
             # completion callbacks run just after the waits wake: give them a bounded moment,
@@ -130,7 +132,7 @@ def _rank(rank: int, port: int, conn: Any, dying: bool) -> None:
             dec.allocator.check_no_leaks()
             stats = dec.stats()
             rdv.publish("checked", b"1")
-            conn.send((problems, fired, stats.completed, stats.failed, stats.pages_used, doomed))
+            conn.send((problems, fired, stats.completed, stats.failed, stats.pages_used, doomed, False))
             dec.close(timeout=5)
         else:
             pf = KvPrefiller(engine, layout, _prefill_caches(rank - 1), timeout=T)
@@ -142,6 +144,10 @@ def _rank(rank: int, port: int, conn: Any, dying: bool) -> None:
                 job = pf.begin(req, tables[req.request_id], timeout=T)
                 if dying and rank == 1:
                     job.write_layer(0)
+                    if dying == "after_its_writes":  # layer 0 landed; layers 1 and 2 never come
+                        deadline = time.monotonic() + T
+                        while job.imms_sent < job.expected_imms // LAYERS and time.monotonic() < deadline:
+                            time.sleep(0.001)
                     os._exit(3)  # dead mid-request: no close, no goodbye
                 for layer in range(LAYERS):
                     job.write_layer(layer)
@@ -149,15 +155,20 @@ def _rank(rank: int, port: int, conn: Any, dying: bool) -> None:
             for job in jobs:
                 job.wait(T)
             rdv.get("checked", 0)  # stay up until the decoder has read every page
-            conn.send(([], {}, 0, 0, 0, {}))
+            conn.send(([], {}, 0, 0, 0, {}, False))
             pf.close(timeout=5)
     except BaseException as exc:
-        conn.send(([f"rank {rank}: {type(exc).__name__}: {exc}"], {}, -1, -1, -1, {}))
+        from fabric_core.errors import TransportError
+
+        # the last field: the rank ended in a typed transport error (not a wrong byte, a leak
+        # or a bug), which is what a wedged shm queue may leave (see the killed-prefill test)
+        typed = isinstance(exc, TransportError)
+        conn.send(([f"rank {rank}: {type(exc).__name__}: {exc}"], {}, -1, -1, -1, doomed, typed))
     finally:
         engine.close()
 
 
-def _run(dying: bool) -> list[Any]:
+def _run(dying: str | None) -> list[Any]:
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
@@ -190,7 +201,7 @@ def _run(dying: bool) -> list[Any]:
 
 
 def test_six_requests_from_two_prefill_processes_land_exactly_in_one_decode_process() -> None:
-    results = _run(dying=False)
+    results = _run(dying=None)
     for problems, *_ in results:
         assert problems == []
     _problems, fired, completed, failed, pages_used, _doomed = results[0]
@@ -199,16 +210,47 @@ def test_six_requests_from_two_prefill_processes_land_exactly_in_one_decode_proc
     assert (completed, failed, pages_used) == (PREFILLS * REQUESTS, 0, 0)
 
 
-def test_a_prefill_process_killed_mid_request_fails_only_its_request_and_returns_its_pages() -> None:
+def _libfabric_major() -> int:
+    import fabric_efa._efa as efa
+
+    return int(efa.libfabric_version()[0])
+
+
+@pytest.mark.parametrize("dying", ["after_its_writes", "inside_a_post"])
+def test_a_prefill_process_killed_mid_request_fails_only_its_request_and_returns_its_pages(
+    dying: str,
+) -> None:
     """Prefill 0 writes one of three layers and exits: that request fails with
     ``PeerUnreachable`` (the liveness probe, 1 s), its pages come back, and prefill 1's three
-    requests land exactly as if nothing had happened."""
-    results = _run(dying=True)
+    requests land exactly as if nothing had happened.
+
+    ``inside_a_post`` exits while its engine may be posting the layer's writes. libfabric 2.x's
+    shm cannot survive a writer killed between claiming a slot of the target's command queue
+    and committing it: the target's queue stalls behind that slot for good, for every writer
+    (docs/concepts/failures.md, "shm 2.x and a process killed mid-post"). There, and only
+    there, prefill 1's requests may instead end in typed transport errors at both ends,
+    within the test's bounded waits; the dead prefill's request must still fail as above."""
+    results = _run(dying=dying)
     assert results[1] == (None, 3)  # prefill 0 died as planned
-    assert results[2][0] == []
-    problems, fired, completed, failed, pages_used, doomed = results[0]
-    assert problems == []
+    problems, fired, completed, failed, pages_used, doomed, decoder_typed = results[0]
+    survivor_problems, *_rest, survivor_typed = results[2]
+    stalled = problems or survivor_problems or doomed.get("error") != "PeerUnreachable"
+    if dying == "inside_a_post" and _libfabric_major() >= 2 and stalled:
+        # The stalled queue (or the target's region lock, held by the dead writer: then the
+        # decoder's engine makes no progress and its waits end at their deadline): every
+        # failure a typed transport error within the bounded waits, none a wrong byte or leak.
+        assert doomed.get("error") in {"PeerUnreachable", "TransferTimeout"}, doomed
+        assert (problems == [] or decoder_typed) and (survivor_problems == [] or survivor_typed), (
+            problems,
+            survivor_problems,
+        )
+        # reported as such (the checks above held): the known limit, not a pass
+        pytest.xfail(
+            f"libfabric 2.x shm stalled by the killed writer: {doomed}, {problems + survivor_problems}"
+        )
     assert doomed["error"] == "PeerUnreachable" and doomed["after_s"] < 10.0, doomed
+    assert survivor_problems == []
+    assert problems == []
     assert fired == {_request(1, i)[0]: 1 for i in range(REQUESTS)}  # no completion for the dead one
     assert (completed, failed, pages_used) == (REQUESTS, 1, 0)
 
