@@ -204,7 +204,7 @@ def test_six_requests_from_two_prefill_processes_land_exactly_in_one_decode_proc
     results = _run(dying=None)
     for problems, *_ in results:
         assert problems == []
-    _problems, fired, completed, failed, pages_used, _doomed = results[0]
+    _problems, fired, completed, failed, pages_used, _doomed, _typed = results[0]
     ids = {_request(p, i)[0] for p in range(PREFILLS) for i in range(REQUESTS)}
     assert fired == dict.fromkeys(ids, 1)  # each request completed once, none twice
     assert (completed, failed, pages_used) == (PREFILLS * REQUESTS, 0, 0)
