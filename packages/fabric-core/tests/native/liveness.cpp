@@ -443,6 +443,9 @@ void queue_depth_holds_each_peer_apart() {
     for (int i = 0; i < 10; i++) CHECK(p.counted(500 + i));  // every write landed: A counted each imm once
     // no cap: all ten posted at once
     p.b->configure_queue(0);
+    // A counts an imm as the fake NIC delivers the write, just before the NIC reports it to
+    // B: let B reap the last one first, or the hold below can catch its report too
+    settle([&] { return p.b->dump().inflight_wrs == 0; });
     nic.hold_write_done = true;
     for (int i = 0; i < 10; i++) p.write_imm(600 + i);
     settle([&] { return to(a) >= 20; });
@@ -488,6 +491,10 @@ void writes_counted_only_to_engines_of_this_process() {
     auto& inbound = fabric::InboundWrites::instance();
     p.write_imm(900);  // A resolved and known first
     CHECK(p.counted(900));
+    // reaped by B too (A counts as the write lands, just before the NIC reports it): else the
+    // hold below could catch 900's report, and four writes would be held and outstanding
+    settle([&] { return p.b->dump().inflight_wrs == 0 && inbound.outstanding(a) == 0; });
+    CHECK(inbound.outstanding(a) == 0);
     nic.hold_write_done = true;
     for (int i = 0; i < 3; i++) p.write_imm(901 + i);
     settle([&] { return nic.held_writes() >= 3; });
