@@ -144,11 +144,14 @@ def _rank(rank: int, port: int, conn: Any, dying: str | None) -> None:
                 job = pf.begin(req, tables[req.request_id], timeout=T)
                 if dying and rank == 1:
                     job.write_layer(0)
+                    per_layer = job.expected_imms // LAYERS
                     if dying == "after_its_writes":  # layer 0 landed; layers 1 and 2 never come
                         deadline = time.monotonic() + T
-                        while job.imms_sent < job.expected_imms // LAYERS and time.monotonic() < deadline:
+                        while job.imms_sent < per_layer and time.monotonic() < deadline:
                             time.sleep(0.001)
-                    os._exit(3)  # dead mid-request: no close, no goodbye
+                    # dead mid-request: no close, no goodbye. Status 4: it was to die after its
+                    # writes but they never completed (the test expects 3)
+                    os._exit(4 if dying == "after_its_writes" and job.imms_sent < per_layer else 3)
                 for layer in range(LAYERS):
                     job.write_layer(layer)
                 jobs.append(job)
