@@ -34,6 +34,9 @@ a target whose polls move the writes' bytes (``target_copies``, as on shm) linge
 work while its yields find the CPU free, counts every write once, and still naps once idle.
 Case 18: the queue depth's byte allowance lets small writes to a peer go past the depth
 while they fit, but not while writes to another peer are posted too, and never list ops.
+Case 19: a watcher (the Python side's stall watchdog) sees a stuck worker's step stay the same
+and its stall grow, where an idle engine shows none; and once the engine is declared wedged, a
+stuck post that returns at last is the last one: the rest of its request is never posted.
 (``nox -s sanitize`` runs it under ThreadSanitizer too.)
 """
 
@@ -100,6 +103,10 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "18",
             "byte allowance: 5 of 10 posted alone, 2 beside another peer's; lists posted 1 of 2, "
             "a write behind one 0",
+        ),
+        (
+            "19",
+            "one step all along yes; wedged; first write landed yes, second posted no",
         ),
     ],
 )

@@ -322,6 +322,117 @@ def test_a_close_that_leaves_a_thread_in_the_provider_returns_and_says_so(
     assert core.close(0.1) is True and core.wedged() is False  # the real core left cleanly
 
 
+def test_an_engine_whose_progress_stays_inside_one_provider_call_closes_itself(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The stall watchdog (``NativeEngine._watch``; the core's side, ``progress_since``, is
+    proven on a fake NIC whose post never returns: tests/test_native_liveness.py, case 19).
+    Here the core reports one step running for good, as a worker spinning on a dead peer's
+    lock would. Within ``liveness_timeout_s`` (0.5 s) and a bounded margin the engine closes
+    itself: a transfer and a counter wait in flight fail with ``EngineWedged`` (an
+    ``EngineClosed``) saying why, a later submit raises it, the core is asked to wait only
+    ``_WEDGE_JOIN_S`` for the stuck thread, the registrations are kept alive, the log says
+    so, and the user's own ``close()`` returns at once."""
+    import logging
+    import threading
+    import time
+
+    import numpy as np
+
+    from fabric_core import native
+    from fabric_core.errors import EngineClosed, EngineWedged
+
+    engine = registry.open_engine(
+        "efa", efa_provider="shm", liveness_interval_s=0.1, liveness_timeout_s=0.5, timeout_s=30.0
+    )
+    core = engine._core  # type: ignore[attr-defined]
+    asked: list[float] = []
+
+    class StuckCore:
+        def __getattr__(self, name: str) -> object:
+            return getattr(core, name)
+
+        def progress_since(self) -> int:
+            return 12345  # one step, running all along
+
+        def close(self, join_timeout_s: float = -1.0) -> bool:
+            asked.append(join_timeout_s)
+            core.close(join_timeout_s)
+            return False
+
+    src = np.arange(4096, dtype=np.uint8)
+    region = engine.register(src)
+    desc = region.descriptor
+    counter = engine.counter(77)
+    waited: list[BaseException] = []
+
+    def wait_for_an_imm() -> None:
+        try:
+            counter.wait(1, timeout=20.0)
+        except BaseException as exc:
+            waited.append(exc)
+
+    try:
+        with caplog.at_level(logging.ERROR, logger="fabric_core.native"):
+            in_flight = engine._new()  # type: ignore[attr-defined]  # a transfer the stuck step holds
+            waiter = threading.Thread(target=wait_for_an_imm)
+            waiter.start()
+            t0 = time.monotonic()
+            engine._core = StuckCore()  # type: ignore[attr-defined]
+            with pytest.raises(EngineWedged, match="closed itself") as failed:
+                in_flight.wait(10.0)
+            took = time.monotonic() - t0
+            waiter.join(10.0)
+            assert not waiter.is_alive()
+            assert 0.5 <= took < 5.0, took
+            assert isinstance(failed.value, EngineClosed) and failed.value.stalled_s >= 0.5
+            assert len(waited) == 1 and isinstance(waited[0], EngineWedged), waited
+            for _ in range(500):  # the close runs on a thread of its own
+                if engine.closed:
+                    break
+                time.sleep(0.01)
+            assert engine.closed and asked == [native._WEDGE_JOIN_S]  # type: ignore[attr-defined]
+            with pytest.raises(EngineWedged, match="closed itself"):
+                engine.submit_write(region, 0, 8, desc, 0, imm=5)
+        kept = native._WEDGED.pop()  # type: ignore[attr-defined]
+        assert isinstance(kept, tuple) and [r.length for r in kept[1]] == [4096]
+        messages = [r.getMessage() for r in caplog.records]
+        assert any("closed itself" in m for m in messages), messages
+        t0 = time.monotonic()
+        engine.close(timeout=5.0)
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        engine.close()
+        assert core.close(0.1) is True  # the real core left cleanly
+
+
+def test_a_busy_or_idle_engine_does_not_close_itself() -> None:
+    """The watchdog's control: an engine whose steps come and go (idle, or moving writes)
+    stays open past several ``liveness_timeout_s``."""
+    import time
+
+    import numpy as np
+
+    engine = registry.open_engine("efa", efa_provider="shm", liveness_interval_s=0.1, liveness_timeout_s=0.2)
+    try:
+        src = np.arange(1 << 16, dtype=np.uint8)
+        dst = np.zeros(1 << 16, dtype=np.uint8)
+        region = engine.register(src)
+        desc = engine.register(dst).descriptor
+        counter = engine.counter(9)
+        end = time.monotonic() + 1.0
+        writes = 0
+        while time.monotonic() < end:
+            engine.submit_write(region, 0, len(src), desc, 0, imm=9).wait(5.0)
+            writes += 1
+        counter.wait(writes, timeout=5.0)
+        time.sleep(0.6)  # idle: three limits more
+        assert not engine.closed and engine._wedge is None  # type: ignore[attr-defined]
+        assert np.array_equal(dst, src)
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("provider", ["shm", "tcp;ofi_rxm"])
 def test_closing_an_engine_while_other_threads_submit_to_it(provider: str) -> None:
     """``close()`` from one thread while two others submit small WriteImms (a submit that finds

@@ -18,6 +18,7 @@ __all__ = [
     "CapabilityError",
     "ConfigError",
     "EngineClosed",
+    "EngineWedged",
     "FabricError",
     "PeerUnreachable",
     "RemoteAccessError",
@@ -86,6 +87,22 @@ class ConfigError(FabricError, ValueError):
 
 class EngineClosed(FabricError):
     """The engine was closed: the call was refused, or in-flight work was failed by close()."""
+
+
+class EngineWedged(EngineClosed):
+    """The engine closed itself: its progress stayed inside one provider call for
+    ``liveness_timeout_s`` (``stalled_s`` says how long), so it could move nothing more.
+
+    Compiled backends only. On shm a post to a peer killed while it held the queue lock the
+    two share never returns, and neither does a poll that waits on a lock the dead peer held
+    (libfabric 2.x). Every transfer and counter wait in flight fails with it; later calls
+    raise it. The engine's registrations stay alive for good (the stuck call may still use
+    them); open a new engine to go on.
+    """
+
+    def __init__(self, message: str, *, stalled_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.stalled_s = stalled_s
 
 
 class TransportError(FabricError):

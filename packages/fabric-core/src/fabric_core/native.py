@@ -31,6 +31,7 @@ from .counters import CounterTable, NativeCounterTable
 from .errors import (
     CapabilityError,
     EngineClosed,
+    EngineWedged,
     FabricError,
     PeerUnreachable,
     RemoteAccessError,
@@ -87,6 +88,9 @@ _JOIN_MIN_S = 10.0
 """close() waits at least this long for the engine's threads (else what is left of its timeout):
 a thread still inside the provider after it is stuck there. Generous: a false alarm leaks the
 engine, and a worker on a loaded host can take a second to leave."""
+_WEDGE_JOIN_S = 1.0
+"""How long an engine closing itself (EngineWedged) still waits for the thread stuck in the
+provider: it has been stuck for liveness_timeout_s already."""
 _WEDGED: list[object] = []
 """Wedged engines' cores and registered regions, kept alive for good: the provider may still
 use them (see ``_backend_stop``)."""
@@ -113,6 +117,33 @@ def queue_limits(settings: FabricSettings, depth: int, allowance: int) -> tuple[
         depth if settings.queue_depth is None else settings.queue_depth,
         allowance if settings.queue_bytes is None else settings.queue_bytes,
     )
+
+
+class StallWatch:
+    """How long one progress step has been seen running, from looks at it (NativeEngine._watch).
+
+    ``look(step, now)`` takes the engine's ``progress_since()`` (when its running step began;
+    0: none runs) and a ``time.monotonic()`` reading, and returns the seconds this step has been
+    watched running. Only time between looks counts, at most ``gap_s`` per look: a process
+    stopped as a whole (SIGSTOP, a debugger, a host paused) resumes mid-step without having
+    been stuck in it, and a longer gap says the watcher did not run either.
+    """
+
+    __slots__ = ("_last", "_seen", "_step", "gap_s")
+
+    def __init__(self, gap_s: float = 0.25) -> None:
+        self.gap_s = gap_s
+        self._step = 0
+        self._seen = 0.0
+        self._last = 0.0
+
+    def look(self, step: int, now: float) -> float:
+        if step == 0 or step != self._step:
+            self._step, self._seen = step, 0.0
+        else:
+            self._seen += min(max(0.0, now - self._last), self.gap_s)
+        self._last = now
+        return self._seen
 
 
 class NativeEngine(EngineBase):
@@ -164,6 +195,12 @@ class NativeEngine(EngineBase):
         self.queue_depth, self.queue_bytes = queue_limits(settings, queue_depth, queue_bytes)
         core.configure_queue(self.queue_depth, self.queue_bytes)
         self._stop = False
+        # The stall watchdog (_watch): progress inside one provider call this long closes the
+        # engine (EngineWedged); the liveness probes that would find the peer run on the very
+        # thread that is stuck.
+        self._stall_limit = settings.liveness_timeout_s
+        self._wedge: EngineWedged | None = None
+        self._stall = StallWatch()
         self._completer = threading.Thread(
             target=self._complete, name=f"fabric-{capabilities.backend}-completion-{n}", daemon=True
         )
@@ -342,11 +379,49 @@ class NativeEngine(EngineBase):
             if not any(batch):
                 if self._stop:
                     return
+                self._watch()
                 continue
             try:
                 self._process(*batch)
             finally:
                 self._core.batch_done()  # a thread draining may take completions again
+
+    def _watch(self) -> None:
+        """The completion thread found nothing to hand over: if the engine's progress has been
+        inside one provider call for ``liveness_timeout_s``, close the engine (EngineWedged).
+
+        Such a call may never return (on shm, a post to a peer killed holding its queue lock),
+        and while it runs nothing else moves: no completion, no liveness probe, no deadline.
+        Without this the engine's transfers would hang until their deadlines and new ones
+        would queue behind the stuck call for ever. The close runs on a thread of its own (it
+        joins this one), waits at most _WEDGE_JOIN_S more for the stuck thread, and keeps the
+        registrations alive if it stays (see _backend_stop).
+        """
+        if self._wedge is not None or self._closed:
+            return
+        stalled = self._stall.look(self._core.progress_since(), time.monotonic())
+        if stalled < self._stall_limit:
+            return
+        self._wedge = EngineWedged(
+            f"the engine on {self._where} closed itself: its progress has been inside one "
+            f"provider call for {stalled:.1f} s (liveness_timeout_s {self._stall_limit:g}), "
+            "as when a peer on the same host died holding a lock the two share; open a new engine",
+            stalled_s=stalled,
+        )
+        logger.error("fabric: %s", self._wedge)
+        threading.Thread(
+            target=self._shutdown,
+            args=(self._wedge,),
+            kwargs={"drain": False, "timeout": 0.0},
+            name=f"{self._completer.name}-wedged",
+            daemon=True,
+        ).start()
+
+    def _check_open(self) -> None:
+        wedge = self._wedge
+        if wedge is not None:
+            raise EngineWedged(str(wedge), stalled_s=wedge.stalled_s)
+        super()._check_open()
 
     def _next_batch(self) -> tuple[Any, ...]:
         """The completion thread's next batch (empty lists after 50 ms without one)."""
@@ -555,7 +630,8 @@ class NativeEngine(EngineBase):
         # fails what is left with status "closed". A thread stuck inside the provider (on shm,
         # a post to a peer killed holding its queue lock never returns) is left behind after
         # the bound, and the engine with it: close() still returns, and the process can exit.
-        if not self._core.close(max(_JOIN_MIN_S, deadline - time.monotonic())):
+        bound = _WEDGE_JOIN_S if exc is self._wedge else max(_JOIN_MIN_S, deadline - time.monotonic())
+        if not self._core.close(bound):
             # its registrations stay open at the provider: their memory must never be freed
             # (a late write would land in whatever took its place), so the regions are kept
             _WEDGED.append((self._core, [reg.region for reg in self._regs.values()]))

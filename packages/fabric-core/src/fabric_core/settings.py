@@ -47,7 +47,8 @@ class FabricSettings(BaseSettings):
         10.0,
         description="A peer that leaves a liveness probe unanswered this long is lost: its "
         "transfers fail with PeerUnreachable, waits naming it fail, its connection state is "
-        "dropped.",
+        "dropped. A compiled engine whose progress stays inside one provider call this long "
+        "closes itself (EngineWedged).",
     )
     queue_depth: Annotated[int, Field(ge=0, le=1 << 20)] | None = Field(
         None,

@@ -82,6 +82,13 @@
 //    its steps as work; with quick polls again it naps again. Meanwhile dump() gets the
 //    progress lock, which the worker, stepping without pause, lets it take (let_in()):
 //    without that every dump waited out its 200 ms and came back empty.
+// 19. What a watcher sees of a stuck worker, and what it posts once wedged. Idle, B's
+//    stalled_for() stays near 0 (progress_since() is 0 between steps). A request of two
+//    writes whose first post never returns: progress_since() stays the same and stalled_for()
+//    grows with the wait. close(bound) declares B wedged; when the stuck call returns at
+//    last, its write lands and the request's second write, queued behind it, is never
+//    posted: A counts 1 imm, not 2 (before, the worker went on posting through its step and
+//    close()'s grace, landing bytes of a transfer already failed).
 #include <fabric/counters.hpp>
 #include <fabric/engine.hpp>
 
@@ -1122,8 +1129,58 @@ void the_queue_depths_byte_allowance() {
 }
 }  // namespace
 
+void a_watcher_sees_a_stuck_worker() {
+    Pair p;
+    double idle = 0;
+    for (int i = 0; i < 50; i++) {  // between steps, or inside a quick one
+        idle = std::max(idle, p.b->stalled_for());
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    CHECK(idle < 0.05);
+    p.b->nic(0).hang_posts = true;
+    p.inline_ok = false;
+    auto req = std::make_unique<fabric::Request>();
+    req->id = p.next_id++;
+    req->has_imm = true;
+    req->imm = 400;
+    req->src_desc = std::make_shared<const std::vector<void*>>(1, nullptr);
+    req->targets.push_back(p.at);
+    req->ops.resize(2);
+    for (uint32_t i = 0; i < 2; i++) {
+        req->ops[i].nic = 0;
+        req->ops[i].target = 0;
+        req->ops[i].src = reinterpret_cast<uint64_t>(p.src.data()) + 8 * i;
+        req->ops[i].dst_off = 8 * i;
+        req->ops[i].len = 8;
+    }
+    p.b->submit(std::move(req), false);
+    for (int i = 0; i < 5000 && p.b->nic(0).hanging.load() == 0; i++)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    CHECK(p.b->nic(0).hanging.load() == 1);
+    int64_t step = p.b->progress_since();
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    double stalled = p.b->stalled_for();
+    bool same = step != 0 && p.b->progress_since() == step;
+    CHECK(same && stalled >= 0.3 && stalled < 5.0);
+    bool joined = p.b->close(0.2);
+    CHECK(!joined && p.b->wedged());
+    p.b->nic(0).hang_posts = false;  // the stuck post returns: its write lands
+    bool first = p.counted(400);
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the worker's step and close grace
+    auto w = std::make_shared<CounterTable::Waiter>();
+    w->n = 1;
+    int rc = p.counters->enqueue(400, w);
+    if (rc == fabric::kCountQueued) rc = p.counters->block(w, Clock::now() + std::chrono::milliseconds(200));
+    bool second = rc == fabric::kCountOk;
+    std::printf("stall watch: idle at most %.3f s; stuck %.3f s, one step all along %s; wedged; "
+                "first write landed %s, second posted %s\n",
+                idle, stalled, same ? "yes" : "no", first ? "yes" : "no", second ? "yes" : "no");
+    CHECK(first && !second);
+    p.b.reset();
+}
+
 int main(int argc, char** argv) {
-    std::string only = argc > 1 ? argv[1] : "";  // "1" to "18": that case alone
+    std::string only = argc > 1 ? argv[1] : "";  // "1" to "19": that case alone
     if (only.empty() || only == "1") answers_refused_for_a_while();
     if (only.empty() || only == "2") a_probe_left_over_from_an_earlier_wait();
     if (only.empty() || only == "3") a_peer_that_is_gone();
@@ -1142,6 +1199,7 @@ int main(int argc, char** argv) {
     if (only.empty() || only == "16") a_busy_provider_keeps_the_worker_polling();
     if (only.empty() || only == "17") a_copying_target_lingers_and_still_naps();
     if (only.empty() || only == "18") the_queue_depths_byte_allowance();
+    if (only.empty() || only == "19") a_watcher_sees_a_stuck_worker();
     std::printf("liveness: ok\n");
     return 0;
 }

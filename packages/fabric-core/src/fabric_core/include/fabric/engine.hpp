@@ -563,6 +563,7 @@ class Engine {
             // comes back within a nap to poll what is now in flight).
             std::unique_lock<std::timed_mutex> lock(progress_mu_, std::try_to_lock);
             if (lock.owns_lock() && !stop_.load(std::memory_order_acquire)) {
+                InProgress timed(progress_since_ns_);
                 intake();
                 post_pending();
                 return;
@@ -923,6 +924,24 @@ class Engine {
         return std::chrono::duration<double>(Clock::now() - began).count();
     }
 
+    // Seconds the progress now running (a step, or a submit posting inline) has been at it;
+    // 0 when none runs. Read without the progress lock, so a thread that watches the engine
+    // can tell a worker stuck inside a provider call (on shm, a post to a peer killed while
+    // it held its queue lock never returns) from an idle one. The Python side closes an
+    // engine whose progress it sees inside one step for liveness_timeout_s (EngineWedged),
+    // counting only time it was awake to watch (progress_since()): a process stopped as a
+    // whole (SIGSTOP, a debugger) comes back mid-step without being stuck.
+    double stalled_for() const {
+        int64_t since = progress_since();
+        if (since == 0) return 0.0;
+        auto began = Clock::time_point(Clock::duration(since));
+        return std::max(0.0, std::chrono::duration<double>(Clock::now() - began).count());
+    }
+
+    // When the progress now running began (steady-clock ticks; 0: none runs). Two reads that
+    // give the same nonzero value saw one step (or inline post) run all along between them.
+    int64_t progress_since() const { return progress_since_ns_.load(std::memory_order_relaxed); }
+
     // What is outstanding, for hang diagnostics: live requests (oldest first), known peers.
     // A wedged worker (see close()) holds the progress lock for good: the dump then says for
     // how long, instead of waiting for it.
@@ -1114,6 +1133,7 @@ class Engine {
     bool step() {
         now_ = Clock::now();
         step_started_ns_.store(now_.time_since_epoch().count(), std::memory_order_relaxed);
+        InProgress timed(progress_since_ns_, now_);
         bool busy = intake();
         busy |= post_pending();
         busy |= poll_all();
@@ -1331,6 +1351,7 @@ class Engine {
                         any = true;
                         continue;
                     }
+                    if (wedged_.load(std::memory_order_relaxed)) return any;  // see below
                     int rc = post(n, *op);
                     if (rc == kCapped) {  // its earlier writes are not reported yet: the
                         full_ = true;     // provider refused nothing, so no stall either
@@ -1370,6 +1391,13 @@ class Engine {
                     settle(*op);
                     any = true;
                     continue;
+                }
+                // A wedged engine (close() gave up on a thread stuck in the provider) has failed
+                // every request: should the stuck call return at last, nothing more is posted,
+                // so no bytes of a transfer reported failed land after it (close() fails the rest).
+                if (wedged_.load(std::memory_order_relaxed)) {
+                    q.push_front(op);
+                    return any;
                 }
                 if (!park.empty()) {
                     auto it = park.find(park_key(n, *op));
@@ -3178,6 +3206,17 @@ class Engine {
     bool exited_ = false;
     std::atomic<bool> wedged_{false};  // close() left a thread inside the provider
     std::atomic<int64_t> step_started_ns_{0};  // when the last step began (Clock ticks): see stuck_for()
+    std::atomic<int64_t> progress_since_ns_{0};  // when the progress now running began, 0: none (stalled_for())
+    // Marks progress_since_ns_ for as long as a step or an inline post runs.
+    struct InProgress {
+        std::atomic<int64_t>& since;
+        explicit InProgress(std::atomic<int64_t>& s, Clock::time_point now = Clock::now()) : since(s) {
+            since.store(std::max<int64_t>(1, now.time_since_epoch().count()), std::memory_order_relaxed);
+        }
+        ~InProgress() { since.store(0, std::memory_order_relaxed); }
+        InProgress(const InProgress&) = delete;
+        InProgress& operator=(const InProgress&) = delete;
+    };
     std::timed_mutex progress_mu_;     // held by whoever runs step(): the worker or a helper
     std::atomic<int> in_hand_{0};  // batches of wait_batch() not yet handed to Python (drain())
     std::atomic<int> spinners_{0};  // threads spinning on a counter (spinning())

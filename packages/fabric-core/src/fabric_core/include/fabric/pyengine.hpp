@@ -504,6 +504,11 @@ class PyEngine {
 
     bool wedged() const { return wedged_; }
 
+    // When the engine's current progress step began (steady-clock ticks; 0: none runs; see
+    // Engine::progress_since). Lock-free, so the GIL is kept: the completion thread asks it
+    // every time it finds nothing to hand over (NativeEngine._watch).
+    int64_t progress_since() const { return !closed_ && engine_ ? engine_->progress_since() : 0; }
+
   protected:
     Engine<Domain>& engine() { return *engine_; }
 
@@ -640,6 +645,7 @@ void bind_engine(py::class_<Cls, Options...>& c) {
         .def("cancel", &Cls::cancel, py::arg("id"), py::arg("timeout_s") = -1.0)
         .def("close", &Cls::close, py::arg("join_timeout_s") = -1.0)
         .def("wedged", &Cls::wedged)
+        .def("progress_since", &Cls::progress_since)
         .def("destroy", &Cls::destroy);
 }
 
