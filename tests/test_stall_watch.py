@@ -45,3 +45,21 @@ def test_a_clock_that_goes_back_counts_nothing() -> None:
     w = StallWatch()
     w.look(7, 10.0)
     assert w.look(7, 9.0) == 0.0
+
+
+def test_kv_work_in_flight_when_its_engine_closed_itself_says_so() -> None:
+    """The KV app's prefiller and decoder fail the work in flight when their engine's ``recv``
+    raises ``EngineClosed``; an engine that closed itself stuck in the provider keeps its type
+    (``EngineWedged``, with how long it was stuck) and its reason in that error."""
+    from fabric_apps.kvcache.errors import engine_gone
+    from fabric_core.errors import EngineClosed, EngineWedged
+
+    wedged = engine_gone(
+        "the decoder's engine closed with this request in flight", EngineWedged("stuck 1.1 s", stalled_s=1.1)
+    )
+    assert type(wedged) is EngineWedged and wedged.stalled_s == 1.1
+    assert str(wedged) == "the decoder's engine closed with this request in flight: stuck 1.1 s"
+    closed = engine_gone("the prefill's engine closed with this job in flight", EngineClosed("engine closed"))
+    assert (
+        type(closed) is EngineClosed and str(closed) == "the prefill's engine closed with this job in flight"
+    )

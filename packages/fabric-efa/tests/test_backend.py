@@ -329,7 +329,7 @@ def test_an_engine_whose_progress_stays_inside_one_provider_call_closes_itself(
     proven on a fake NIC whose post never returns: tests/test_native_liveness.py, case 19).
     Here the core reports one step running for good, as a worker spinning on a dead peer's
     lock would. Within ``liveness_timeout_s`` (0.5 s) and a bounded margin the engine closes
-    itself: a transfer and a counter wait in flight fail with ``EngineWedged`` (an
+    itself: a transfer, a counter wait and a ``recv`` in flight fail with ``EngineWedged`` (an
     ``EngineClosed``) saying why, a later submit raises it, the core is asked to wait only
     ``_WEDGE_JOIN_S`` for the stuck thread, the registrations are kept alive, the log says
     so, and the user's own ``close()`` returns at once."""
@@ -372,21 +372,31 @@ def test_an_engine_whose_progress_stays_inside_one_provider_call_closes_itself(
         except BaseException as exc:
             waited.append(exc)
 
+    def wait_for_a_message() -> None:
+        try:
+            engine.recv(timeout=20.0)
+        except BaseException as exc:
+            waited.append(exc)
+
     try:
         with caplog.at_level(logging.ERROR, logger="fabric_core.native"):
             in_flight = engine._new()  # type: ignore[attr-defined]  # a transfer the stuck step holds
-            waiter = threading.Thread(target=wait_for_an_imm)
-            waiter.start()
+            waiters = [threading.Thread(target=f) for f in (wait_for_an_imm, wait_for_a_message)]
+            for waiter in waiters:
+                waiter.start()
             t0 = time.monotonic()
             engine._core = StuckCore()  # type: ignore[attr-defined]
             with pytest.raises(EngineWedged, match="closed itself") as failed:
                 in_flight.wait(10.0)
             took = time.monotonic() - t0
-            waiter.join(10.0)
-            assert not waiter.is_alive()
+            for waiter in waiters:
+                waiter.join(10.0)
+                assert not waiter.is_alive()
             assert 0.5 <= took < 5.0, took
             assert isinstance(failed.value, EngineClosed) and failed.value.stalled_s >= 0.5
-            assert len(waited) == 1 and isinstance(waited[0], EngineWedged), waited
+            # the counter wait and the recv: both say why
+            assert len(waited) == 2 and all(isinstance(e, EngineWedged) for e in waited), waited
+            assert all("closed itself" in str(e) for e in waited), waited
             for _ in range(500):  # the close runs on a thread of its own
                 if engine.closed:
                     break

@@ -214,9 +214,13 @@ class EngineBase(TransferEngine):
         """Per-peer traffic (backends that count it override this)."""
         return ()
 
+    def _closed_error(self, message: str) -> EngineClosed:
+        """What a call refused by this closed engine raises (a backend may say why it closed)."""
+        return EngineClosed(message)
+
     def _check_open(self) -> None:
         if self._closed:
-            raise EngineClosed("this engine is closed")
+            raise self._closed_error("this engine is closed")
 
     # --- memory --------------------------------------------------------------------
     def _memory_span(self, memory: object) -> MemorySpan:
@@ -393,7 +397,7 @@ class EngineBase(TransferEngine):
             while not self._messages:
                 left = deadline - time.monotonic()
                 if self._closed:
-                    raise EngineClosed("engine closed while waiting for a message")
+                    raise self._closed_error("engine closed while waiting for a message")
                 if left <= 0:
                     raise TransferTimeout(f"no control message within {limit:g} s")
                 self._msg_cv.wait(None if math.isinf(left) else left)

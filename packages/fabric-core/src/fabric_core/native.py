@@ -417,10 +417,15 @@ class NativeEngine(EngineBase):
             daemon=True,
         ).start()
 
-    def _check_open(self) -> None:
+    def _closed_error(self, message: str) -> EngineClosed:
         wedge = self._wedge
-        if wedge is not None:
-            raise EngineWedged(str(wedge), stalled_s=wedge.stalled_s)
+        if wedge is None:
+            return super()._closed_error(message)
+        return EngineWedged(f"{message}: {wedge}", stalled_s=wedge.stalled_s)
+
+    def _check_open(self) -> None:
+        if self._wedge is not None:  # from the moment it is found, before the close is done
+            raise self._closed_error("this engine is closed")
         super()._check_open()
 
     def _next_batch(self) -> tuple[Any, ...]:

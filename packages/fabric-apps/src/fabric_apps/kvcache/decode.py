@@ -47,7 +47,7 @@ from . import protocol as wire
 from ._cache import RegisteredCache
 from ._sync import Guard
 from .allocator import PageAllocator, Pages, as_pages
-from .errors import RequestCancelled
+from .errors import RequestCancelled, engine_gone
 from .imms import DEFAULT_IMM_BASE, DEFAULT_IMM_SLOTS, ImmPool
 from .layout import KvLayout, WriteUnit, write_units
 
@@ -715,8 +715,8 @@ class KvDecoder:
                 return
             try:
                 got = wire.next_message(self.engine, wait, "decoder")
-            except EngineClosed:
-                self._engine_gone()
+            except EngineClosed as exc:
+                self._engine_gone(exc)
                 return
             if got is None:
                 continue
@@ -757,8 +757,8 @@ class KvDecoder:
                 peer.ready = True
         peer.event.set()
 
-    def _engine_gone(self) -> None:
-        exc = EngineClosed("the decoder's engine closed with this request in flight")
+    def _engine_gone(self, cause: EngineClosed) -> None:
+        exc = engine_gone("the decoder's engine closed with this request in flight", cause)
         with self._lock:
             for req in list(self._reqs.values()):
                 if req.state == _PENDING:

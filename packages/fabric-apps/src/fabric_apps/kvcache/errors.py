@@ -6,7 +6,7 @@ Transport failures keep fabric_core's own types (``PeerUnreachable``, ``Transfer
 
 from __future__ import annotations
 
-from fabric_core.errors import ConfigError, FabricError, TransportError
+from fabric_core.errors import ConfigError, EngineClosed, EngineWedged, FabricError, TransportError
 
 __all__ = [
     "Exhausted",
@@ -45,3 +45,11 @@ class RequestCancelled(FabricError):
 
 class RequestAborted(TransportError):
     """The prefill instance gave the request up (``PrefillJob.abort``); ``message`` says why."""
+
+
+def engine_gone(what: str, cause: EngineClosed) -> EngineClosed:
+    """The error of work in flight when the engine under it closed (``cause``: what the engine
+    raised). An engine that closed itself stuck in the provider keeps saying so."""
+    if isinstance(cause, EngineWedged):
+        return EngineWedged(f"{what}: {cause}", stalled_s=cause.stalled_s)
+    return EngineClosed(what)

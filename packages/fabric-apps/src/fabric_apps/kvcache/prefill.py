@@ -47,7 +47,7 @@ from . import protocol as wire
 from ._cache import RegisteredCache
 from ._sync import Guard
 from .allocator import Pages, as_pages
-from .errors import RequestAborted, RequestCancelled
+from .errors import RequestAborted, RequestCancelled, engine_gone
 from .layout import KvLayout, WriteUnit, write_units
 
 __all__ = ["DecodeRequest", "KvPrefiller", "PrefillJob", "PrefillerStats"]
@@ -517,8 +517,8 @@ class KvPrefiller:
         while not self._closed:
             try:
                 got = wire.next_message(self.engine, self._poll, "prefiller")
-            except EngineClosed:
-                self._engine_gone()
+            except EngineClosed as exc:
+                self._engine_gone(exc)
                 return
             if got is None:
                 continue
@@ -631,13 +631,13 @@ class KvPrefiller:
             if now - at > _TOMBSTONE_TTL_S:
                 del dec.tombstones[seq]
 
-    def _engine_gone(self) -> None:
+    def _engine_gone(self, cause: EngineClosed) -> None:
         with self._lock:
             self._closed = True
             self._incoming.clear()
             for job in list(self._jobs.values()):
                 if job._error is None:  # its writes are failed by the engine and end the job
-                    job._error = EngineClosed("the prefill's engine closed with this job in flight")
+                    job._error = engine_gone("the prefill's engine closed with this job in flight", cause)
                 self._maybe_finish(job)
             self._arrived.notify_all()
 
