@@ -461,8 +461,8 @@ class NativeEngine(EngineBase):
                 continue
             self._stat_failed += 1
             exc: FabricError
-            if status == _CLOSED:
-                exc = EngineClosed(message)
+            if status == _CLOSED:  # (EngineWedged once the engine closed itself stuck)
+                exc = self._closed_error(message)
             else:
                 where = f" (peer {peer.hex()}{f', NIC {nic}' if nic >= 0 else ''})" if peer else ""
                 exc = _STATUS.get(status, TransportError)(
