@@ -828,7 +828,7 @@ class Engine {
             lock.lock();
         } else if (!take_progress(lock, Clock::now() + to_duration(std::min(timeout_s, 1e6)))) {
             throw std::runtime_error("the engine's progress has been inside a provider call for " +
-                                     std::to_string(stuck_for()).substr(0, 6) +
+                                     std::to_string(stalled_for()).substr(0, 6) +
                                      " s (a wedged engine); nothing was cancelled");
         }
         now_ = Clock::now();
@@ -918,16 +918,11 @@ class Engine {
         touched_.push_back(address);
     }
 
-    // Seconds since the step now running began (how long a wedged worker has been stuck).
-    double stuck_for() const {
-        auto began = Clock::time_point(Clock::duration(step_started_ns_.load(std::memory_order_relaxed)));
-        return std::chrono::duration<double>(Clock::now() - began).count();
-    }
-
     // Seconds the progress now running (a step, or a submit posting inline) has been at it;
-    // 0 when none runs. Read without the progress lock, so a thread that watches the engine
-    // can tell a worker stuck inside a provider call (on shm, a post to a peer killed while
-    // it held its queue lock never returns) from an idle one. The Python side closes an
+    // 0 when none runs: how long a wedged worker has been stuck (dump(), cancel()). Read
+    // without the progress lock, so a thread that watches the engine can tell a worker stuck
+    // inside a provider call (on shm, a post to a peer killed while it held its queue lock
+    // never returns) from an idle one. The Python side closes an
     // engine whose progress it sees inside one step for liveness_timeout_s (EngineWedged),
     // counting only time it was awake to watch (progress_since()): a process stopped as a
     // whole (SIGSTOP, a debugger) comes back mid-step without being stuck.
@@ -949,7 +944,7 @@ class Engine {
         std::unique_lock<std::timed_mutex> lock(progress_mu_, std::defer_lock);
         EngineDump out;
         if (!take_progress(lock, Clock::now() + kDiagnosticWait)) {
-            out.progress_stuck_s = stuck_for();
+            out.progress_stuck_s = stalled_for();
             return out;
         }
         auto now = Clock::now();
@@ -1132,7 +1127,6 @@ class Engine {
     // progress_mu_ runs it: the worker, or a thread that help()s while it waits on a counter.
     bool step() {
         now_ = Clock::now();
-        step_started_ns_.store(now_.time_since_epoch().count(), std::memory_order_relaxed);
         InProgress timed(progress_since_ns_, now_);
         bool busy = intake();
         busy |= post_pending();
@@ -3205,7 +3199,6 @@ class Engine {
     std::condition_variable exit_cv_;
     bool exited_ = false;
     std::atomic<bool> wedged_{false};  // close() left a thread inside the provider
-    std::atomic<int64_t> step_started_ns_{0};  // when the last step began (Clock ticks): see stuck_for()
     std::atomic<int64_t> progress_since_ns_{0};  // when the progress now running began, 0: none (stalled_for())
     // Marks progress_since_ns_ for as long as a step or an inline post runs.
     struct InProgress {
