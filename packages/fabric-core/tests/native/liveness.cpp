@@ -188,19 +188,23 @@ struct Pair {
     }
 
     // B (or ``from``) writes 8 bytes carrying ``imm`` to A (or to ``to``); the request's id.
-    uint64_t write_imm(uint32_t imm, const std::shared_ptr<fabric::Target>& to = nullptr, FakeEngine* from = nullptr) {
+    // With ``ops`` > 1, one request of that many 8-byte writes, each carrying ``imm``.
+    uint64_t write_imm(uint32_t imm, const std::shared_ptr<fabric::Target>& to = nullptr, FakeEngine* from = nullptr,
+                       uint32_t ops = 1) {
         auto req = std::make_unique<fabric::Request>();
         const uint64_t id = req->id = next_id++;
         req->has_imm = true;
         req->imm = imm;
         req->src_desc = std::make_shared<const std::vector<void*>>(1, nullptr);
         req->targets.push_back(to ? to : at);
-        req->ops.resize(1);
-        req->ops[0].nic = 0;
-        req->ops[0].target = 0;
-        req->ops[0].src = reinterpret_cast<uint64_t>(src.data());
-        req->ops[0].dst_off = 0;
-        req->ops[0].len = 8;
+        req->ops.resize(ops);
+        for (uint32_t i = 0; i < ops; i++) {
+            req->ops[i].nic = 0;
+            req->ops[i].target = 0;
+            req->ops[i].src = reinterpret_cast<uint64_t>(src.data()) + 8 * i;
+            req->ops[i].dst_off = 8 * i;
+            req->ops[i].len = 8;
+        }
         (from != nullptr ? *from : *b).submit(std::move(req), inline_ok);
         return id;
     }
@@ -1139,21 +1143,7 @@ void a_watcher_sees_a_stuck_worker() {
     CHECK(idle < 0.05);
     p.b->nic(0).hang_posts = true;
     p.inline_ok = false;
-    auto req = std::make_unique<fabric::Request>();
-    req->id = p.next_id++;
-    req->has_imm = true;
-    req->imm = 400;
-    req->src_desc = std::make_shared<const std::vector<void*>>(1, nullptr);
-    req->targets.push_back(p.at);
-    req->ops.resize(2);
-    for (uint32_t i = 0; i < 2; i++) {
-        req->ops[i].nic = 0;
-        req->ops[i].target = 0;
-        req->ops[i].src = reinterpret_cast<uint64_t>(p.src.data()) + 8 * i;
-        req->ops[i].dst_off = 8 * i;
-        req->ops[i].len = 8;
-    }
-    p.b->submit(std::move(req), false);
+    p.write_imm(400, nullptr, nullptr, 2);  // one request of two writes
     for (int i = 0; i < 5000 && p.b->nic(0).hanging.load() == 0; i++)
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
     CHECK(p.b->nic(0).hanging.load() == 1);
