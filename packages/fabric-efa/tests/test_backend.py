@@ -416,6 +416,86 @@ def test_an_engine_whose_progress_stays_inside_one_provider_call_closes_itself(
         assert core.close(0.1) is True  # the real core left cleanly
 
 
+def test_a_self_closed_engine_whose_stuck_thread_leaves_fails_the_cores_transfers_as_wedged() -> None:
+    """The other ending of a self-close: the stuck thread leaves within ``_WEDGE_JOIN_S``, so
+    the core fails the writes it still had under way itself ("engine closed with this
+    transfer in flight"), through the completion thread. Those carry ``EngineWedged`` and the
+    core's reason, not a bare ``EngineClosed``. The write here is posted to a stopped tcp
+    target that cannot confirm it. The liveness limit (10 s) does not run out meanwhile; only
+    the stall watch's limit is cut to 0.3 s, and the core reports one step running for good.
+    Nothing is kept leaked: the core left cleanly."""
+    import os
+    import signal
+    import time
+
+    import numpy as np
+
+    from fabric_core import native
+    from fabric_core.errors import EngineWedged
+    from fabric_core.testing.remote import RemoteEngine, WorkerPool, stop_process
+
+    provider = "tcp;ofi_rxm"
+    config = {"backend": "efa", "efa_provider": provider, "timeout_s": 30.0}
+    settings = load_settings(**config, liveness_interval_s=0.2, liveness_timeout_s=10.0)
+    if not EfaBackend.probe(settings).available:
+        pytest.skip("tcp;ofi_rxm is not here")
+    with WorkerPool(workers=0, arena_bytes=1 << 20) as pool:
+        from fabric_efa.engine import EfaEngine
+
+        writer = EfaEngine(settings)
+        worker = pool.add_worker()
+        target = RemoteEngine(pool, worker, config)
+        src, dst = pool.alloc(1 << 16), pool.alloc(1 << 16)
+        src[:] = np.arange(src.size, dtype=np.uint64).astype(np.uint8)
+        region, desc = writer.register(src), target.register(dst).descriptor
+        core = writer._core  # type: ignore[attr-defined]
+        asked: list[tuple[float, bool]] = []
+
+        class StuckCore:
+            def __getattr__(self, name: str) -> object:
+                return getattr(core, name)
+
+            def progress_since(self) -> int:
+                return 6789
+
+            def close(self, join_timeout_s: float = -1.0) -> bool:
+                left = bool(core.close(join_timeout_s))
+                asked.append((join_timeout_s, left))
+                return left
+
+        kept = len(native._WEDGED)  # type: ignore[attr-defined]
+        stopped = False
+        try:
+            writer.submit_write(region, 0, 4096, desc, 0, imm=3).wait(30.0)  # connected
+            stop_process(worker.pid)
+            stopped = True
+            doomed = writer.submit_write(region, 0, len(src), desc, 0, imm=4)
+            deadline = time.monotonic() + 10.0
+            while writer.stats().nics[0].inflight < 1 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert writer.stats().nics[0].inflight >= 1, "the write was never posted"
+            writer._stall_limit = 0.3  # type: ignore[attr-defined]
+            t0 = time.monotonic()
+            writer._core = StuckCore()  # type: ignore[attr-defined]
+            with pytest.raises(EngineWedged) as failed:
+                doomed.wait(10.0)
+            assert time.monotonic() - t0 < 5.0
+            message = str(failed.value)
+            assert "engine closed with this transfer in flight" in message, message  # the core's
+            assert "closed itself" in message and failed.value.stalled_s >= 0.3, message
+            for _ in range(500):  # the close runs on a thread of its own, and may still be in it
+                if asked:
+                    break
+                time.sleep(0.01)
+            assert writer.closed and asked == [(native._WEDGE_JOIN_S, True)]  # type: ignore[attr-defined]
+            assert len(native._WEDGED) == kept  # type: ignore[attr-defined]
+        finally:
+            if stopped:
+                os.kill(worker.pid, signal.SIGCONT)
+            writer.close()
+            target.close()
+
+
 def test_a_busy_or_idle_engine_does_not_close_itself() -> None:
     """The watchdog's control: an engine whose steps come and go (idle, or moving writes)
     stays open past several ``liveness_timeout_s``."""
