@@ -12,6 +12,8 @@
 # whose tree has no configure script yet needs autoconf, automake and libtool. Does nothing
 # where PREFIX/lib/libfabric.so.1 exists. --source writes that source, with its configure
 # script made, to OUT.tgz for such a machine (benchmarks/device/prepare.sh --libfabric2).
+# LIBFABRIC2_CONFIGURE: more configure options, split at spaces (benchmarks/device/run.sh's
+# hmem-lf2 step: --with-cuda=/usr/local/cuda, for shm's FI_HMEM_CUDA).
 set -euo pipefail
 VERSION=2.1.0
 URL=https://deb.debian.org/debian/pool/main/libf/libfabric/libfabric_${VERSION}.orig.tar.xz
@@ -61,6 +63,8 @@ if [ -n "$source_out" ]; then
 fi
 flags=()
 for p in $OFF; do flags+=("--enable-$p=no"); done
+read -r -a extra <<<"${LIBFABRIC2_CONFIGURE:-}"
+flags+=("${extra[@]}")
 ./configure --prefix="$prefix" --disable-debug "${flags[@]}" >"$work/configure.log" 2>&1 ||
   { tail -n 30 "$work/configure.log" >&2; exit 1; }
 make -j"$(nproc)" >"$work/make.log" 2>&1 || { tail -n 30 "$work/make.log" >&2; exit 1; }

@@ -22,7 +22,10 @@
 # one submit_write per write against submit_scatter batches, beside that ceiling; ROUNDS
 # rounds, default 3), write-stream-lf2 (the same against libfabric 2.x, built here from the
 # source prepare.sh --libfabric2 carries: tools/libfabric2.sh), ceiling-lf2 (efa_vs_ceiling.py
-# --paired against that libfabric 2.x; REPS pairs, default 3).
+# --paired against that libfabric 2.x; REPS pairs, default 3), hmem-lf2 (libfabric 2.x built
+# here with CUDA, so that shm carries CUDA memory itself through FI_HMEM_CUDA, the efa
+# provider's path: fabric info and tests/gpu against it, the FI_HMEM tests with
+# FABRIC_EFA_CUDA_IPC=0 included).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 dest=${OUT:-$PWD/gpu-out}
@@ -109,6 +112,15 @@ for step in "$@"; do
            benchmarks/ceiling/fi_ceiling.c -L/tmp/fabric-fi/lib -lfabric && \
            '$py' benchmarks/efa_vs_ceiling.py /tmp/fi_ceiling '$out/ceiling-lf2' --paired --reps ${REPS:-3} \
            --providers ${PROVIDERS:-shm,tcp}" ;;
+    hmem-lf2) run_step hmem-lf2 bash -c "set -e; cuda=\${CUDA_HOME:-/usr/local/cuda}; \
+           if command -v nvcc >/dev/null; then cuda=\$(dirname \$(dirname \$(readlink -f \$(command -v nvcc)))); fi; \
+           echo CUDA toolkit: \$cuda; LIBFABRIC2_CONFIGURE=\"--with-cuda=\$cuda --enable-cuda-dlopen\" \
+           bash tools/libfabric2.sh /tmp/fabric-lf2-cuda .gpu/libfabric2-src.tgz; \
+           export LD_LIBRARY_PATH=/tmp/fabric-lf2-cuda/lib:\$cuda/lib64; \
+           '$py' -c 'import fabric_efa._efa as e; print(\"libfabric\", e.libfabric_version())'; \
+           /tmp/fabric-lf2-cuda/bin/fi_info -p shm -c FI_HMEM | head -n 8 || true; \
+           FABRIC_EFA_CUDA_IPC=0 '$py' -m fabric_core.cli info --backend efa; \
+           '$py' -m pytest tests/gpu -v -rs -p no:cacheprovider" ;;
     write-stream) run_step write-stream bash -c "$(write_stream write-stream)" ;;
     write-stream-lf2) run_step write-stream-lf2 bash -c "bash tools/libfabric2.sh /tmp/fabric-lf2 \
            .gpu/libfabric2-src.tgz && export LD_LIBRARY_PATH=/tmp/fabric-lf2/lib && $(write_stream write-stream-lf2)" ;;

@@ -37,14 +37,14 @@ MiB = 1 << 20
 class Peer:
     """tests/gpu/ipc_peer.py in a process of its own."""
 
-    def __init__(self) -> None:
+    def __init__(self, env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("ipc_peer.py"))],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=dict(os.environ),
+            env={**os.environ, **(env or {})},
         )
         ready = self._line(120)
         assert ready.startswith("ready "), ready
@@ -296,3 +296,65 @@ def test_a_stream_waits_on_the_gpu_for_a_write_from_another_process(engine: Any,
     assert int(out.item()) == int(_bytes(n, 12).to(torch.int64).sum().item())
     dc.check()
     dc.close()
+
+
+# --- CUDA memory through the provider's own FI_HMEM (efa_cuda_ipc off) -----------------------
+# The path fabric-efa takes on the efa provider between hosts: CUDA memory registered with
+# fi_mr_regattr and FI_HMEM_CUDA, the provider moving it. Off AWS it runs only against a
+# libfabric built with CUDA (benchmarks/device/run.sh's hmem-lf2 step builds 2.1 so); the
+# GPU machine's own libfabric (1.17, Ubuntu's) refuses such registrations, and these skip.
+
+
+@pytest.fixture
+def hmem_engine() -> Iterator[Any]:
+    e = open_engine("efa", efa_provider="shm", efa_cuda_ipc=False)
+    state = e.domains[0].details["cuda_memory"]
+    if state != "yes":
+        e.close()
+        pytest.skip(f"this libfabric's shm does not carry CUDA memory itself (FI_HMEM_CUDA): {state}")
+    yield e
+    e.close()
+
+
+@pytest.fixture
+def hmem_peer() -> Iterator[Peer]:
+    p = Peer(env={"FABRIC_EFA_CUDA_IPC": "0"})
+    yield p
+    p.close()
+
+
+def test_without_cuda_ipc_the_engine_carries_cuda_memory_through_fi_hmem(hmem_engine: Any) -> None:
+    assert hmem_engine.provider_info["cuda_ipc"] is False
+    assert hmem_engine.provider_info["hmem"] is True
+    assert hmem_engine.capabilities.cuda_memory
+
+
+@pytest.mark.parametrize(("here", "there"), [("cuda", "cuda"), ("cpu", "cuda"), ("cuda", "cpu")])
+def test_fi_hmem_writes_land_exact_bytes_both_ways_between_processes(
+    hmem_engine: Any, hmem_peer: Peer, here: str, there: str
+) -> None:
+    """A WriteImm of 8 MiB and some from this process's ``here`` memory into the peer's
+    ``there`` memory, two unaligned pieces over it, and one the other way: every byte (the
+    sha256 of each whole region) and every imm count exact."""
+    assert hmem_peer.cuda_memory == "yes", hmem_peer.cuda_memory
+    n = 8 * MiB + 12345
+    index, desc = hmem_peer.register(there, n)
+    src, other = _bytes(n, 41, here), _bytes(n, 42, here)
+    rs, ro = hmem_engine.register(src), hmem_engine.register(other)
+    hmem_engine.submit(WriteRequest(rs, 0, n, desc, 0, imm=51)).wait(timeout=30)
+    hmem_engine.submit(WriteRequest(ro, 4099, 65537, desc, 4099, imm=51)).wait(timeout=30)
+    hmem_engine.submit(WriteRequest(ro, n - 3, 3, desc, n - 3, imm=51)).wait(timeout=30)
+    assert hmem_peer.ask("wait 51 3") == "ok"
+    assert hmem_peer.ask("count 51") == "0"
+    want = src.clone()
+    want[4099 : 4099 + 65537] = other[4099 : 4099 + 65537]
+    want[n - 3 :] = other[n - 3 :]
+    assert hmem_peer.ask(f"sha {index}") == _sha(want)
+    # the peer's ``there`` memory into this process's ``here`` memory
+    dst = torch.zeros(n, dtype=torch.uint8, device=here)
+    rd = hmem_engine.register(dst)
+    back, _ = hmem_peer.register(there, n, seed=43)
+    assert hmem_peer.ask(f"write {back} {rd.descriptor.to_bytes().hex()} {n} 52") == "ok"
+    hmem_engine.counter(52).wait(1, timeout=30)
+    assert _sha(dst) == _sha(_bytes(n, 43))
+    assert hmem_engine.counter(52).value == 0
