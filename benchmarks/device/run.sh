@@ -25,7 +25,8 @@
 # --paired against that libfabric 2.x; REPS pairs, default 3), hmem-lf2 (libfabric 2.x built
 # here with CUDA, so that shm carries CUDA memory itself through FI_HMEM_CUDA, the efa
 # provider's path: fabric info and tests/gpu against it, the FI_HMEM tests with
-# FABRIC_EFA_CUDA_IPC=0 included).
+# FABRIC_EFA_CUDA_IPC=0 included), hmem-bench-lf2 (gpu_bench.py against that libfabric, CUDA
+# memory carried by the engine's CUDA IPC domain and then by shm's FI_HMEM, one after the other).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 dest=${OUT:-$PWD/gpu-out}
@@ -121,6 +122,13 @@ for step in "$@"; do
            /tmp/fabric-lf2-cuda/bin/fi_info -p shm -c FI_HMEM | head -n 8 || true; \
            FABRIC_EFA_CUDA_IPC=0 '$py' -m fabric_core.cli info --backend efa; \
            '$py' -m pytest tests/gpu -v -rs -p no:cacheprovider" ;;
+    hmem-bench-lf2) run_step hmem-bench-lf2 bash -c "set -e; cuda=\${CUDA_HOME:-/usr/local/cuda}; \
+           if command -v nvcc >/dev/null; then cuda=\$(dirname \$(dirname \$(readlink -f \$(command -v nvcc)))); fi; \
+           LIBFABRIC2_CONFIGURE=\"--with-cuda=\$cuda --enable-cuda-dlopen\" \
+           bash tools/libfabric2.sh /tmp/fabric-lf2-cuda .gpu/libfabric2-src.tgz; \
+           export LD_LIBRARY_PATH=/tmp/fabric-lf2-cuda/lib:\$cuda/lib64; \
+           for ipc in 1 0; do echo \"== FABRIC_EFA_CUDA_IPC=\$ipc\"; FABRIC_EFA_CUDA_IPC=\$ipc '$py' \
+             benchmarks/gpu_bench.py --reps \${REPS:-5} --out '$out'/gpu-lf2-ipc\$ipc.json; done" ;;
     write-stream) run_step write-stream bash -c "$(write_stream write-stream)" ;;
     write-stream-lf2) run_step write-stream-lf2 bash -c "bash tools/libfabric2.sh /tmp/fabric-lf2 \
            .gpu/libfabric2-src.tgz && export LD_LIBRARY_PATH=/tmp/fabric-lf2/lib && $(write_stream write-stream-lf2)" ;;
