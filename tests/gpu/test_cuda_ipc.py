@@ -13,7 +13,7 @@ import select
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,21 +91,32 @@ class Peer:
                     pass
 
 
-@pytest.fixture
-def engine() -> Iterator[Any]:
-    e = open_engine("efa", efa_provider="shm")
-    if not e.capabilities.cuda_memory:
+def _shm_engine(carries: Callable[[Any], bool], why: str, **settings: Any) -> Iterator[Any]:
+    """An efa shm engine for a fixture, skipping the test with ``why`` where it does not
+    carry CUDA memory the way ``carries`` asks."""
+    e = open_engine("efa", efa_provider="shm", **settings)
+    if not carries(e):
+        state = e.domains[0].details["cuda_memory"]
         e.close()
-        pytest.skip(f"efa shm carries no CUDA memory here: {e.domains[0].details['cuda_memory']}")
+        pytest.skip(f"{why}: {state}")
     yield e
     e.close()
 
 
-@pytest.fixture
-def peer() -> Iterator[Peer]:
-    p = Peer()
+def _peer(env: dict[str, str] | None = None) -> Iterator[Peer]:
+    p = Peer(env)
     yield p
     p.close()
+
+
+@pytest.fixture
+def engine() -> Iterator[Any]:
+    yield from _shm_engine(lambda e: e.capabilities.cuda_memory, "efa shm carries no CUDA memory here")
+
+
+@pytest.fixture
+def peer() -> Iterator[Peer]:
+    yield from _peer()
 
 
 def _bytes(n: int, seed: int, where: str = "cuda") -> Any:
@@ -307,20 +318,16 @@ def test_a_stream_waits_on_the_gpu_for_a_write_from_another_process(engine: Any,
 
 @pytest.fixture
 def hmem_engine() -> Iterator[Any]:
-    e = open_engine("efa", efa_provider="shm", efa_cuda_ipc=False)
-    state = e.domains[0].details["cuda_memory"]
-    if state != "yes":
-        e.close()
-        pytest.skip(f"this libfabric's shm does not carry CUDA memory itself (FI_HMEM_CUDA): {state}")
-    yield e
-    e.close()
+    yield from _shm_engine(
+        lambda e: e.domains[0].details["cuda_memory"] == "yes",
+        "this libfabric's shm does not carry CUDA memory itself (FI_HMEM_CUDA)",
+        efa_cuda_ipc=False,
+    )
 
 
 @pytest.fixture
 def hmem_peer() -> Iterator[Peer]:
-    p = Peer(env={"FABRIC_EFA_CUDA_IPC": "0"})
-    yield p
-    p.close()
+    yield from _peer({"FABRIC_EFA_CUDA_IPC": "0"})
 
 
 def test_without_cuda_ipc_the_engine_carries_cuda_memory_through_fi_hmem(hmem_engine: Any) -> None:

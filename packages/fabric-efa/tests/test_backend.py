@@ -16,7 +16,7 @@ from fabric_core.errors import BackendUnavailable, TransportError
 from fabric_core.settings import load_settings
 from fabric_core.transfer import Transfer
 from fabric_efa import EfaBackend
-from fabric_efa.engine import default_queue_bytes, default_queue_depth
+from fabric_efa.engine import EfaEngine, default_queue_bytes, default_queue_depth
 
 
 def test_missing_libfabric_is_backend_unavailable_with_the_install_hint(
@@ -440,8 +440,6 @@ def test_a_self_closed_engine_whose_stuck_thread_leaves_fails_the_cores_transfer
     if not EfaBackend.probe(settings).available:
         pytest.skip("tcp;ofi_rxm is not here")
     with WorkerPool(workers=0, arena_bytes=1 << 20) as pool:
-        from fabric_efa.engine import EfaEngine
-
         writer = EfaEngine(settings)
         worker = pool.add_worker()
         target = RemoteEngine(pool, worker, config)
