@@ -25,8 +25,9 @@ page, and is reordered under chaos. Case 14: while a thread spins on a counter, 
 are held back from the completion thread (which would take the GIL just as that thread
 returns to Python) for a bounded time, and a thread that drains takes them itself. Case 15:
 while a thread spins on a counter the worker steps aside (the spinner is the only poller), and
-the last spinner to stop hands progress back to it where work is in flight or the waiter goes
-to sleep, not where it leaves satisfied with nothing in flight. Case 16: a step that completed
+the last spinner to stop hands progress back to it where work is in flight, the waiter goes
+to sleep or another waiter is queued, not where it leaves satisfied with nothing in flight and
+nothing else waiting. Case 16: a step that completed
 nothing but kept the provider busy (tcp reading a write's bytes in the target's polls) counts
 as work, so the worker does not nap between such polls, and naps again once they are quick;
 meanwhile a dump still gets the progress lock (the worker lets a waiting thread in). Case 17:
@@ -37,6 +38,8 @@ while they fit, but not while writes to another peer are posted too, and never l
 Case 19: a watcher (the Python side's stall watchdog) sees a stuck worker's step stay the same
 and its stall grow, where an idle engine shows none; and once the engine is declared wedged, a
 stuck post that returns at last is the last one: the rest of its request is never posted.
+Case 20: the counter table's count of what still needs polling (queued waiters and live GPU
+mirrors) goes back to zero through every way out of the table, each counted once.
 (``nox -s sanitize`` runs it under ThreadSanitizer too.)
 """
 
@@ -87,7 +90,7 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (
             "15",
             "the worker stepped aside yes, pollers in a window 1 (the spinner's: yes); hand-backs: "
-            "satisfied idle 0, with work in flight 1, to sleep 1",
+            "satisfied idle 0, with work in flight 1, to sleep 1, with a token waiter queued 1",
         ),
         (
             "16",
@@ -108,6 +111,7 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "19",
             "one step all along yes; wedged; first write landed yes, second posted no",
         ),
+        ("20", "the counter table's watched count: back to 0 through every way out"),
     ],
 )
 def test_liveness_probes_answer_late_and_fail_only_the_gone(program: Path, case: str, says: str) -> None:

@@ -958,6 +958,28 @@ void the_worker_steps_aside_for_a_spinner() {
     s3.join();
     uint64_t w3 = wakes();
 
+    // 5. One that leaves satisfied with nothing in flight while another waiter is queued: a
+    //    token waiter (an asyncio wait, an expect() callback), for which no thread spins or
+    //    sleeps, so only the worker polls its imm. It hands back.
+    auto tw = std::make_shared<CounterTable::Waiter>();
+    tw->n = 1;
+    tw->token = 77;
+    CHECK(table->enqueue(904, tw) == fabric::kCountQueued);
+    std::atomic<int> rc5{-1};
+    std::thread s5 = spin_on(905, std::chrono::seconds(10), rc5);
+    CHECK(deferring());
+    p.write_imm(905, et);
+    s5.join();
+    uint64_t w5 = wakes();
+    p.write_imm(904, et);
+    bool token_fired = false;
+    for (auto until = Clock::now() + std::chrono::seconds(5); Clock::now() < until && !token_fired;) {
+        fabric::Batch b = e->wait_batch(0.1);
+        if (!b.empty()) e->batch_done();
+        for (uint64_t t : b.fired) token_fired |= t == 77;
+    }
+    const size_t watched_after = table->watched_count();
+
     // 4. A waiter that sleeps after a short spin gets its imm, polled by the worker.
     auto short_table = std::make_shared<CounterTable>(std::chrono::milliseconds(20));
     auto third_f = p.third("f", short_table);
@@ -977,16 +999,68 @@ void the_worker_steps_aside_for_a_spinner() {
 
     CHECK(e->close(1.0) && f->close(1.0));
     std::printf("a spinning waiter: the worker stepped aside %s, pollers in a window %zu (the spinner's: %s); "
-                "hand-backs: satisfied idle %llu, with work in flight %llu, to sleep %llu; a sleeping waiter's "
-                "imm in %.0f us\n",
+                "hand-backs: satisfied idle %llu, with work in flight %llu, to sleep %llu, with a token waiter "
+                "queued %llu; a sleeping waiter's imm in %.0f us\n",
                 stepped_aside ? "yes" : "no", pollers.size(), only_spinner ? "yes" : "no",
                 (unsigned long long)(w1 - w0), (unsigned long long)(w2 - w1), (unsigned long long)(w3 - w2),
-                took * 1e6);
+                (unsigned long long)(w5 - w3), took * 1e6);
     CHECK(stepped_aside && only_spinner);
     CHECK(rc1 == fabric::kCountOk && rc2 == fabric::kCountOk && rc3 == fabric::kCountQueued);  // (3: out at its deadline)
     CHECK(w1 == w0 && w2 == w1 + 1 && w3 == w2 + 1);
+    CHECK(rc5 == fabric::kCountOk && w5 == w3 + 1 && token_fired && watched_after == 0);
     CHECK(completed);
     CHECK(slept && rc4 == fabric::kCountOk && took < 5.0);
+}
+
+// What the counter table tells the engine still needs its polls (watched(): a spinner that
+// leaves satisfied wakes the worker for them): every queued waiter, blocking or token, and
+// every live GPU mirror; each way out of the table (fired, withdrawn, failed with its peer or
+// with the engine, a mirror failed or detached) takes its count back, once.
+void the_counter_table_counts_what_it_watches() {
+    CounterTable t;
+    CounterTable::Tokens fired;
+    auto waiter = [](uint64_t n, const std::string& peer, uint64_t token) {
+        auto w = std::make_shared<CounterTable::Waiter>();
+        w->n = n;
+        w->peer = peer;
+        w->token = token;
+        return w;
+    };
+    CHECK(!t.watched() && t.watched_count() == 0);
+    auto a = waiter(2, "", 0), b = waiter(1, "p", 11), c = waiter(1, "q", 12), d = waiter(1, "", 13);
+    CHECK(t.enqueue(1, a) == fabric::kCountQueued);
+    CHECK(t.enqueue(1, b) == fabric::kCountQueued);
+    CHECK(t.enqueue(2, c) == fabric::kCountQueued);
+    CHECK(t.enqueue(3, d) == fabric::kCountQueued);
+    CHECK(t.watched_count() == 4);
+    t.add_one(3, 5, fired);  // d fires; its imm keeps 4 counts
+    CHECK(t.watched_count() == 3);
+    CHECK(t.enqueue(3, waiter(2, "", 0)) == fabric::kCountOk);  // consumed at once: never queued
+    CHECK(t.watched_count() == 3);
+    t.add_one(1, 1, fired);  // a needs 2: still queued, and b behind it
+    CHECK(t.watched_count() == 3);
+    uint64_t seen = 0;
+    CHECK(t.withdraw(1, a, seen, fired));  // a leaves (1 count seen); b behind it fires
+    CHECK(!t.withdraw(1, a, seen, fired));  // (already out: nothing taken twice)
+    CHECK(t.watched_count() == 1);
+    uint32_t word = 0, word2 = 0;
+    CHECK(t.attach_mirror(4, &word, "q") == fabric::kCountOk);
+    CHECK(t.attach_mirror(5, &word2, "") == fabric::kCountOk);
+    CHECK(t.watched_count() == 3);
+    t.fail_peer("q", fired);  // c and the mirror on 4 fail with their peer
+    CHECK(t.watched_count() == 1);
+    t.fail_peer("q", fired);  // (again: nothing left of q)
+    CHECK(t.watched_count() == 1);
+    CHECK(t.enqueue(6, waiter(1, "", 14)) == fabric::kCountQueued);
+    CHECK(t.fail_mirror(5, fabric::kCountTimeout, true));
+    CHECK(!t.fail_mirror(4, fabric::kCountFailed, true));  // (failed with q before)
+    CHECK(t.watched_count() == 1);
+    CHECK(t.enqueue(7, waiter(1, "", 0)) == fabric::kCountQueued);
+    CHECK(t.attach_mirror(8, &word2, "") == fabric::kCountOk);
+    CHECK(t.watched_count() == 3);
+    t.fail_all(fired);
+    CHECK(!t.watched() && t.watched_count() == 0);
+    std::printf("the counter table's watched count: back to 0 through every way out\n");
 }
 
 void a_busy_provider_keeps_the_worker_polling() {
@@ -1170,7 +1244,7 @@ void a_watcher_sees_a_stuck_worker() {
 }
 
 int main(int argc, char** argv) {
-    std::string only = argc > 1 ? argv[1] : "";  // "1" to "19": that case alone
+    std::string only = argc > 1 ? argv[1] : "";  // "1" to "20": that case alone
     if (only.empty() || only == "1") answers_refused_for_a_while();
     if (only.empty() || only == "2") a_probe_left_over_from_an_earlier_wait();
     if (only.empty() || only == "3") a_peer_that_is_gone();
@@ -1190,6 +1264,7 @@ int main(int argc, char** argv) {
     if (only.empty() || only == "17") a_copying_target_lingers_and_still_naps();
     if (only.empty() || only == "18") the_queue_depths_byte_allowance();
     if (only.empty() || only == "19") a_watcher_sees_a_stuck_worker();
+    if (only.empty() || only == "20") the_counter_table_counts_what_it_watches();
     std::printf("liveness: ok\n");
     return 0;
 }

@@ -144,6 +144,12 @@ class CounterTable {
         return received_;
     }
 
+    // Whether anything in the table still needs the engine's polls: a queued waiter (blocking
+    // or token) or a live GPU mirror. A hint, read without the lock (Engine::spinning: the
+    // last spinner to stop wakes the worker for them).
+    bool watched() const { return watched_.load(std::memory_order_relaxed) > 0; }
+    size_t watched_count() const { return watched_.load(std::memory_order_relaxed); }
+
     // Queues a waiter for n counts of imm: kCountOk (consumed at once), kCountQueued, or
     // kCountPeerLost (it names a peer already lost; nothing queued).
     int enqueue(uint32_t imm, const WaiterPtr& w) {
@@ -159,6 +165,7 @@ class CounterTable {
             return kCountOk;
         }
         slot.waiters.push_back(w);
+        watched_.fetch_add(1, std::memory_order_relaxed);
         return kCountQueued;
     }
 
@@ -227,7 +234,10 @@ class CounterTable {
             Slot& slot = slots_[imm];
             seen = slot.count;
             auto it = std::find(slot.waiters.begin(), slot.waiters.end(), w);
-            if (it != slot.waiters.end()) slot.waiters.erase(it);
+            if (it != slot.waiters.end()) {
+                slot.waiters.erase(it);
+                watched_.fetch_sub(1, std::memory_order_relaxed);
+            }
             w->state.store(kCountTimeout, std::memory_order_release);
             wake = settle(slot, fired);
         }
@@ -255,11 +265,13 @@ class CounterTable {
             std::lock_guard<std::mutex> lock(mu_);
             lost_.insert(peer);
             for (auto& [imm, slot] : slots_) {
-                if (slot.mirror && slot.mirror_peer == peer) release(slot, kCountPeerLost);
+                if (slot.mirror && slot.mirror_peer == peer && release(slot, kCountPeerLost))
+                    watched_.fetch_sub(1, std::memory_order_relaxed);
                 std::deque<WaiterPtr> keep;
                 for (auto& w : slot.waiters) {
                     if (w->peer == peer) {
                         fire(*w, kCountPeerLost, failed);
+                        watched_.fetch_sub(1, std::memory_order_relaxed);
                     } else {
                         keep.push_back(std::move(w));
                     }
@@ -292,6 +304,7 @@ class CounterTable {
         slot.mirror_cursor = 0;
         slot.mirror_state = kCountQueued;
         slot.mirror_peer = peer;
+        watched_.fetch_add(1, std::memory_order_relaxed);
         return kCountOk;
     }
 
@@ -315,6 +328,7 @@ class CounterTable {
         auto it = slots_.find(imm);
         if (it == slots_.end() || !it->second.mirror) return false;
         bool fresh = release(it->second, code);
+        if (fresh) watched_.fetch_sub(1, std::memory_order_relaxed);
         if (detach) it->second.mirror = nullptr;
         return fresh;
     }
@@ -383,8 +397,9 @@ class CounterTable {
             std::lock_guard<std::mutex> lock(mu_);
             for (auto& [imm, slot] : slots_) {
                 for (auto& w : slot.waiters) fire(*w, kCountFailed, failed);
+                watched_.fetch_sub(slot.waiters.size(), std::memory_order_relaxed);
                 slot.waiters.clear();
-                if (slot.mirror) release(slot, kCountFailed);
+                if (slot.mirror && release(slot, kCountFailed)) watched_.fetch_sub(1, std::memory_order_relaxed);
             }
         }
         cv_.notify_all();
@@ -449,6 +464,7 @@ class CounterTable {
         while (!slot.waiters.empty() && slot.count >= slot.waiters.front()->n) {
             WaiterPtr w = std::move(slot.waiters.front());
             slot.waiters.pop_front();
+            watched_.fetch_sub(1, std::memory_order_relaxed);
             slot.count -= w->n;
             blocking |= fire(*w, kCountOk, fired);
         }
@@ -474,6 +490,8 @@ class CounterTable {
     mutable std::mutex mu_;
     std::condition_variable cv_;
     size_t blocked_ = 0;  // blocking waiters asleep on cv_ (guarded by mu_)
+    // queued waiters plus live mirrors (written under mu_; read as a hint: watched())
+    std::atomic<size_t> watched_{0};
     uint64_t received_ = 0;
     std::unordered_map<uint32_t, Slot> slots_;
     std::unordered_set<std::string> lost_;

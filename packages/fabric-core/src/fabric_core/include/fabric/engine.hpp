@@ -121,6 +121,9 @@
 #ifndef FABRIC_LINGER_US
 #define FABRIC_LINGER_US 3  // an idle worker of a copying target polls on after work (Engine::run)
 #endif
+#ifndef FABRIC_SPINNER_NAP_US
+#define FABRIC_SPINNER_NAP_US 500  // the worker's nap while a thread spins on a counter (Engine::defer)
+#endif
 
 namespace fabric {
 
@@ -600,17 +603,20 @@ class Engine {
     // steps itself, and a second thread polling the same queues only takes the progress lock
     // from it, and on a host with fewer cores than busy threads its CPU too (each of its
     // yields there is a context switch between it and the spinner). The last spinner to stop
-    // wakes it where something is left for it: work in flight, or a waiter that now sleeps
-    // (kSpinBlocks) and needs its imms polled. One that stops satisfied with nothing in
-    // flight does not: it is on its way back to Python, and a wake-up would cost it a system
-    // call and, on a busy host, its CPU; the worker comes back from its nap on its own.
+    // wakes it where something is left for it: work in flight, a waiter that now sleeps
+    // (kSpinBlocks), or any other waiter or GPU mirror in the counter table, whose imms need
+    // polling. One that stops satisfied with none of those does not: it is on its way back to
+    // Python, and a wake-up would cost it a system call and, on a busy host, its CPU; the
+    // worker comes back from its nap (kSpinnerNap) on its own.
     void spinning(CounterTable::SpinEvent event) {
         if (event == CounterTable::kSpinStart) {
             spinners_.fetch_add(1, std::memory_order_seq_cst);
             return;
         }
         if (spinners_.fetch_sub(1, std::memory_order_seq_cst) != 1) return;
-        if (event != CounterTable::kSpinBlocks && !work_left_.load(std::memory_order_relaxed) && queue_.empty()) return;
+        if (event != CounterTable::kSpinBlocks && !work_left_.load(std::memory_order_relaxed) && queue_.empty() &&
+            !counters_->watched())
+            return;
         spinner_wakes_.fetch_add(1, std::memory_order_relaxed);  // (handed back: dump)
         if (!deferring_.load(std::memory_order_seq_cst)) return;
         std::lock_guard<std::mutex> lock(wake_mu_);
@@ -2997,9 +3003,14 @@ class Engine {
     static constexpr std::chrono::microseconds kHandOffGrace{50};
     static constexpr std::chrono::microseconds kHandOffMax{500};
     // the worker's nap while a thread spins on a counter and runs the steps (defer()): how
-    // long imms for other waiters and incoming messages may wait once a spinner went back to
-    // Python with nothing in flight and did not wake it
-    static constexpr std::chrono::microseconds kSpinnerNap{100};
+    // long incoming messages, peers' writes that no waiter here awaits, and completions held
+    // for the spinner (up to kHandOffMax while it spins) may wait once a spinner went back to
+    // Python with nothing in flight, no other waiter queued, and did not wake it. Short naps
+    // cost the round trip: two workers waking every 100 us from this nap on the 2-core machine
+    // (each client and server spinning in turn) left both spinners sharing one CPU while the
+    // other idled, and the tcp imm round trip took 43-77 us against 20-32 with 500-1000 us naps
+    // (benchmarks/rtt_breakdown.py, alternated; docs/backends/efa.md).
+    static constexpr std::chrono::microseconds kSpinnerNap{FABRIC_SPINNER_NAP_US};
     // let_in(): the longest the worker holds off for a thread waiting on the progress lock
     // (built with ThreadSanitizer, lock_by() polls the lock every 50 us)
     static constexpr std::chrono::microseconds kLetIn{200};
