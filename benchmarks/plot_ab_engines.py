@@ -85,15 +85,20 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = summary["rows"]
-    fig, axes = plt.subplots(1, len(rows), figsize=(2.0 * len(rows), 3.6))
-    for ax, r in zip(axes, rows, strict=True):
+    providers = sorted({r["provider"] for r in rows})
+    names = [name for name in _ROWS if any(r["row"] == name for r in rows)]
+    fig, axes = plt.subplots(
+        len(providers), len(names), figsize=(1.9 * len(names), 2.8 * len(providers)), squeeze=False
+    )
+    for r in rows:
+        ax = axes[providers.index(r["provider"])][names.index(r["row"])]
         for x, build, colour in ((0, "base", "tab:gray"), (1, "new", "tab:blue")):
             if r[f"{build}_median"] is None:
                 continue
             ax.bar(x, r[f"{build}_median"], color=colour, alpha=0.6)
             ax.scatter([x] * len(r[build]), r[build], color="k", s=8, zorder=3)
         ax.set_xticks([0, 1], ["base", "new"])
-        ax.set_title(f"{r['provider']}\n{r['row']}", fontsize=6)
+        ax.set_title(f"{r['provider']}\n{r['row']}".replace(" (", "\n("), fontsize=6)
         ax.set_ylabel(r["unit"], fontsize=7)
         ax.tick_params(labelsize=6)
     fig.tight_layout()
