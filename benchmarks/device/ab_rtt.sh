@@ -5,7 +5,7 @@
 # built into /tmp/base-efa and put first on PYTHONPATH), both under this tree's Python
 # packages; with BASE_PYTHON=1, base runs under the base commit's fabric_core Python too (an
 # A/B of a Python change: make the tarball at the commit before it). ROUNDS rounds alternate `fabric bench --backend efa --nics 1 --sizes SIZES` (default
-# 8,4K) between new and base on each of BENCH_PROVIDERS (default shm; tcp is tcp;ofi_rxm on
+# 8,4K) between new and base, which one runs first swapped every round, on each of BENCH_PROVIDERS (default shm; tcp is tcp;ofi_rxm on
 # loopback): the imm round trip, GB/s and writes/s per size, paged 4 KiB writes. Then, with
 # REPS > 0 (default 3), benchmarks/efa_vs_ceiling.py on new against fi_ceiling.c built here
 # (PROVIDERS, default shm,tcp), and with BASE_CEILING=1 the same on base. Writes $OUT/ab.tgz
@@ -33,7 +33,8 @@ EOF
 for prov in ${BENCH_PROVIDERS:-shm}; do
   fi_prov=$prov; [ "$prov" = tcp ] && fi_prov="tcp;ofi_rxm"
   for i in $(seq 1 "$rounds"); do
-    for tag in new base; do
+    order="new base"; [ $((i % 2)) = 0 ] && order="base new"  # alternated: no build always first
+    for tag in $order; do
       path=$py; [ $tag = base ] && path=/tmp/base-efa:$py
       [ $tag = base ] && [ "${BASE_PYTHON:-0}" = 1 ] && path=/tmp/base-efa:/tmp/base/packages/fabric-core/src:$py
       f=$res/rtt-$prov-$tag-$i
