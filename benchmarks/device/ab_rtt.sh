@@ -4,10 +4,11 @@
 # `git archive BASE packages/fabric-core packages/fabric-efa | gzip >.gpu/base-engine.tgz`,
 # built into /tmp/base-efa and put first on PYTHONPATH), both under this tree's Python
 # packages; with BASE_PYTHON=1, base runs under the base commit's fabric_core Python too (an
-# A/B of a Python change: make the tarball at the commit before it). ROUNDS rounds alternate `fabric bench --backend efa --nics 1 --sizes SIZES` (default
-# 8,4K) between new and base, which one runs first swapped every round, on each of BENCH_PROVIDERS (default shm; tcp is tcp;ofi_rxm on
-# loopback): the imm round trip, GB/s and writes/s per size, paged 4 KiB writes. Then, with
-# REPS > 0 (default 3), benchmarks/efa_vs_ceiling.py on new against fi_ceiling.c built here
+# A/B of a Python change: make the tarball at the commit before it). ROUNDS rounds alternate
+# `fabric bench --backend efa --nics 1 --sizes SIZES` (default 8,4K) between new and base, which
+# one runs first swapped every round, on each of BENCH_PROVIDERS (default shm; tcp is
+# tcp;ofi_rxm on loopback): the imm round trip, GB/s and writes/s per size, paged 4 KiB
+# writes. Then, with REPS > 0 (default 3), benchmarks/efa_vs_ceiling.py on new against fi_ceiling.c built here
 # (PROVIDERS, default shm,tcp), and with BASE_CEILING=1 the same on base. Writes $OUT/ab.tgz
 # (rtt-PROVIDER-{new,base}-ROUND.{json,log}, ab_rtt.txt, lscpu.txt, ceiling-{new,base}/).
 # With CPUS (a taskset list, e.g. 0,1) the A/B rounds run on those CPUs only: a small host's

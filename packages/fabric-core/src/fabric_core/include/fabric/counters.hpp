@@ -144,11 +144,10 @@ class CounterTable {
         return received_;
     }
 
-    // Whether anything in the table still needs the engine's polls: a queued waiter (blocking
-    // or token) or a live GPU mirror. A hint, read without the lock (Engine::spinning: the
-    // last spinner to stop wakes the worker for them).
-    bool watched() const { return watched_.load(std::memory_order_relaxed) > 0; }
-    size_t watched_count() const { return watched_.load(std::memory_order_relaxed); }
+    // How many things in the table still need the engine's polls: queued waiters (blocking
+    // or token) and live GPU mirrors. A hint, read without the lock (Engine::spinning: the
+    // last spinner to stop wakes the worker while it is not 0).
+    size_t watched() const { return watched_.load(std::memory_order_relaxed); }
 
     // Queues a waiter for n counts of imm: kCountOk (consumed at once), kCountQueued, or
     // kCountPeerLost (it names a peer already lost; nothing queued).

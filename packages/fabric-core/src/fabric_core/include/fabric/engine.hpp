@@ -615,7 +615,7 @@ class Engine {
         }
         if (spinners_.fetch_sub(1, std::memory_order_seq_cst) != 1) return;
         if (event != CounterTable::kSpinBlocks && !work_left_.load(std::memory_order_relaxed) && queue_.empty() &&
-            !counters_->watched())
+            counters_->watched() == 0)
             return;
         spinner_wakes_.fetch_add(1, std::memory_order_relaxed);  // (handed back: dump)
         if (!deferring_.load(std::memory_order_seq_cst)) return;
