@@ -58,7 +58,7 @@ from .ops import (
 )
 from .settings import FabricSettings
 from .stats import NicStats, PeerStats
-from .transfer import Transfer
+from .transfer import Transfer, new_transfer
 
 if TYPE_CHECKING:
     from ._native_api import NativeCoreApi as NativeCore
@@ -223,9 +223,7 @@ class NativeEngine(EngineBase):
 
     def _new(self) -> Transfer:
         """A transfer entered in the in-flight table (one dict store: atomic under the GIL)."""
-        transfer = Transfer(_NO_IMMS, dispatcher=self._dispatch, default_timeout=self._timeout)
-        transfer._drain = self._drain_hook
-        transfer._cancel = self._cancel_hook
+        transfer = new_transfer(_NO_IMMS, self._dispatch, self._timeout, self._drain_hook, self._cancel_hook)
         self._inflight[transfer.id] = transfer
         return transfer
 

@@ -90,6 +90,21 @@ class Transfer:
         "imms_per_target",
     )
 
+    id: int
+    imms_per_target: tuple[int, ...]
+    _lock: threading.Lock
+    _done: bool
+    _dispatch: CallbackDispatcher | None
+    _default_timeout: float
+    _event: threading.Event | None  # made by the first waiter: most transfers have none
+    _exc: BaseException | None
+    _callbacks: list[tuple[DoneCallback | None, ErrorCallback | None]]
+    # A backend may let a waiter run its completions itself: _drain(transfer, deadline)
+    # returns once the transfer is done or it gives up (the event wait then takes over).
+    _drain: Callable[[Transfer, float], None] | None
+    # The engine's: cancel(transfer, timeout) -> whether it stopped a running transfer.
+    _cancel: Callable[[Transfer, float | None], bool] | None
+
     def __init__(
         self,
         imms_per_target: tuple[int, ...],
@@ -97,20 +112,7 @@ class Transfer:
         dispatcher: CallbackDispatcher | None = None,
         default_timeout: float = 60.0,
     ) -> None:
-        self.id = next(_ids)
-        self.imms_per_target = imms_per_target
-        self._lock = threading.Lock()
-        self._done = False
-        self._event: threading.Event | None = None  # made by the first waiter: most transfers have none
-        self._exc: BaseException | None = None
-        self._callbacks: list[tuple[DoneCallback | None, ErrorCallback | None]] = []
-        self._dispatch = dispatcher
-        self._default_timeout = default_timeout
-        # A backend may let a waiter run its completions itself: _drain(transfer, deadline)
-        # returns once the transfer is done or it gives up (the event wait then takes over).
-        self._drain: Callable[[Transfer, float], None] | None = None
-        # The engine's: cancel(transfer, timeout) -> whether it stopped a running transfer.
-        self._cancel: Callable[[Transfer, float | None], bool] | None = None
+        _fill(self, imms_per_target, dispatcher, default_timeout, None, None)
 
     @property
     def imms_at_target(self) -> int:
@@ -232,3 +234,44 @@ class Transfer:
     def __repr__(self) -> str:
         state = "pending" if not self.done() else ("failed" if self._exc else "done")
         return f"<Transfer {self.id} {state} imms_at_target={self.imms_at_target}>"
+
+
+def _fill(
+    t: Transfer,
+    imms_per_target: tuple[int, ...],
+    dispatcher: CallbackDispatcher | None,
+    default_timeout: float,
+    drain: Callable[[Transfer, float], None] | None,
+    cancel: Callable[[Transfer, float | None], bool] | None,
+) -> None:
+    """Every field of a fresh transfer (``Transfer()`` and ``new_transfer`` alike)."""
+    t.id = next(_ids)
+    t.imms_per_target = imms_per_target
+    t._lock = threading.Lock()
+    t._done = False
+    t._event = None
+    t._exc = None
+    t._callbacks = []
+    t._dispatch = dispatcher
+    t._default_timeout = default_timeout
+    t._drain = drain
+    t._cancel = cancel
+
+
+_object_new = object.__new__
+
+
+def new_transfer(
+    imms_per_target: tuple[int, ...],
+    dispatcher: CallbackDispatcher | None,
+    default_timeout: float,
+    drain: Callable[[Transfer, float], None] | None,
+    cancel: Callable[[Transfer, float | None], bool] | None,
+) -> Transfer:
+    """A transfer as ``Transfer(imms_per_target, dispatcher=..., default_timeout=...)`` makes
+    it, with a backend's drain and cancel hooks set: the submit fast path's. It skips the class
+    call and its keywords, about a third of the cost (0.28 against 0.82 us on the 2-core
+    machine)."""
+    t: Transfer = _object_new(Transfer)
+    _fill(t, imms_per_target, dispatcher, default_timeout, drain, cancel)
+    return t
