@@ -9,7 +9,8 @@
 # one runs first swapped every round, on each of BENCH_PROVIDERS (default shm; tcp is
 # tcp;ofi_rxm on loopback): the imm round trip, GB/s and writes/s per size, paged 4 KiB
 # writes. Then, with REPS > 0 (default 3), benchmarks/efa_vs_ceiling.py on new against fi_ceiling.c built here
-# (PROVIDERS, default shm,tcp), and with BASE_CEILING=1 the same on base. Writes $OUT/ab.tgz
+# (PROVIDERS, default shm,tcp; CEILING_ARGS, e.g. --paired, passed on; CEILING_TIMEOUT seconds,
+# default 400), and with BASE_CEILING=1 the same on base. Writes $OUT/ab.tgz
 # (rtt-PROVIDER-{new,base}-ROUND.{json,log}, ab_rtt.txt, lscpu.txt, ceiling-{new,base}/).
 # With CPUS (a taskset list, e.g. 0,1) the A/B rounds run on those CPUs only: a small host's
 # core count on a quieter machine.
@@ -18,6 +19,7 @@ set -u
 R=$PWD; rounds=${1:-6}
 . benchmarks/device/ab_base_engine.sh rtt
 export FI_TCP_IFACE=lo OMP_NUM_THREADS=1
+[ -x .gpu/bin/fi_pingpong ] && export PATH=$R/.gpu/bin:$PATH  # (prepare.sh: the round trip's reference)
 py=$R/packages/fabric-core/src:$R/packages/fabric-sim/src:$R/packages/fabric-apps/src
 res=/tmp/rttab && rm -rf $res && mkdir -p $res
 lscpu > $res/lscpu.txt
@@ -47,13 +49,13 @@ for prov in ${BENCH_PROVIDERS:-shm}; do
 done
 cc -O2 -Wall -I/tmp/fabric-fi/include -o /tmp/fi_ceiling benchmarks/ceiling/fi_ceiling.c -L/tmp/fabric-fi/lib -lfabric
 if [ "${REPS:-3}" -gt 0 ]; then
-  PYTHONPATH=$py timeout 400 python3 benchmarks/efa_vs_ceiling.py /tmp/fi_ceiling $res/ceiling-new \
-    --reps "${REPS:-3}" --providers "${PROVIDERS:-shm,tcp}" > $res/ceiling-new.log 2>&1
+  PYTHONPATH=$py timeout "${CEILING_TIMEOUT:-400}" python3 benchmarks/efa_vs_ceiling.py /tmp/fi_ceiling $res/ceiling-new \
+    --reps "${REPS:-3}" --providers "${PROVIDERS:-shm,tcp}" ${CEILING_ARGS:-} > $res/ceiling-new.log 2>&1
   tail -30 $res/ceiling-new.log
 fi
 if [ "${BASE_CEILING:-0}" = 1 ]; then
-  PYTHONPATH=/tmp/base-efa:$py timeout 400 python3 benchmarks/efa_vs_ceiling.py /tmp/fi_ceiling $res/ceiling-base \
-    --reps "${REPS:-3}" --providers "${PROVIDERS:-shm,tcp}" > $res/ceiling-base.log 2>&1
+  PYTHONPATH=/tmp/base-efa:$py timeout "${CEILING_TIMEOUT:-400}" python3 benchmarks/efa_vs_ceiling.py /tmp/fi_ceiling $res/ceiling-base \
+    --reps "${REPS:-3}" --providers "${PROVIDERS:-shm,tcp}" ${CEILING_ARGS:-} > $res/ceiling-base.log 2>&1
   tail -30 $res/ceiling-base.log
 fi
 (cd $res && tar czf "$OUT/ab.tgz" .)

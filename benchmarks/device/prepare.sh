@@ -27,6 +27,9 @@ python3 -m pip download -q -d .gpu/wheels --python-version "$pyver" --only-binar
 # Installed for their entry points (fabric.backends, the CLI); run.sh puts the tree's sources
 # first on PYTHONPATH, so a change here needs no new wheel.
 python3 -m pip wheel -q --no-deps -w .gpu/wheels ./packages/fabric-core ./packages/fabric-sim ./packages/fabric-apps
+# libfabric-bin's fi_pingpong (it links only libfabric and libc): efa_vs_ceiling.py's round-trip
+# reference there
+if command -v fi_pingpong >/dev/null; then mkdir -p .gpu/bin && cp "$(command -v fi_pingpong)" .gpu/bin/; fi
 if [ $perf = 1 ]; then
   bin=$(readlink -f "$(command -v perf)") || { echo "no perf here (apt-get install linux-perf)" >&2; exit 1; }
   mkdir -p .gpu/perf/lib && cp "$bin" .gpu/perf/perf
