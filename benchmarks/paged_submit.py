@@ -19,21 +19,9 @@ import platform
 import statistics
 import sys
 import time
-from multiprocessing.connection import Connection
 
 import numpy as np
-
-PAGE = 4096
-
-
-def _target(conn: Connection, provider: str, pages: int) -> None:
-    from fabric_core import open_engine
-
-    engine = open_engine(backend="efa", efa_provider=provider, nics=1)
-    buf = np.zeros(pages * PAGE, dtype=np.uint8)
-    conn.send(engine.register(buf).descriptor.to_bytes())
-    conn.recv()  # the writer is done
-    engine.close()
+from paged_rate import PAGE, _target  # (the benchmarks' own folder is first on sys.path)
 
 
 def main() -> None:

@@ -240,15 +240,12 @@ class NativeEngine(EngineBase):
         timeout: float | None = None,
     ) -> Transfer:
         limit = -1.0 if timeout is None else self._deadline(timeout)
-        # _new and _fast written out: the one call a small write makes per request
-        t = new_transfer(_NO_IMMS, self._dispatch, self._timeout, self._drain_hook, self._cancel_hook)
-        tid = t.id
-        self._inflight[tid] = t
-        imms = self._core.fast_write(tid, src, src_offset, length, dst, dst_offset, imm, routing, limit)
-        if imms >= 0:
-            t.imms_per_target = (imms,)
-            return t
-        self._inflight.pop(tid, None)
+        t = self._new()
+        done = self._fast(
+            t, self._core.fast_write(t.id, src, src_offset, length, dst, dst_offset, imm, routing, limit)
+        )
+        if done is not None:
+            return done
         return super().submit(
             WriteRequest(src, src_offset, length, dst, dst_offset, imm, routing), timeout=timeout
         )
@@ -262,15 +259,9 @@ class NativeEngine(EngineBase):
         timeout: float | None = None,
     ) -> Transfer:
         limit = -1.0 if timeout is None else self._deadline(timeout)
-        t = new_transfer(_NO_IMMS, self._dispatch, self._timeout, self._drain_hook, self._cancel_hook)
-        tid = t.id
-        self._inflight[tid] = t
-        imms = self._core.fast_imm(tid, dst, imm, routing, limit)
-        if imms >= 0:
-            t.imms_per_target = (imms,)
-            return t
-        self._inflight.pop(tid, None)
-        return super().submit(ImmRequest(dst, imm, routing), timeout=timeout)
+        t = self._new()
+        done = self._fast(t, self._core.fast_imm(t.id, dst, imm, routing, limit))
+        return done if done is not None else super().submit(ImmRequest(dst, imm, routing), timeout=timeout)
 
     def submit_scatter(
         self,
