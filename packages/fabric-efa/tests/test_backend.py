@@ -14,7 +14,7 @@ import pytest
 from fabric_core import registry
 from fabric_core.errors import BackendUnavailable, TransportError
 from fabric_core.settings import load_settings
-from fabric_core.transfer import Transfer
+from fabric_core.transfer import Transfer, new_transfer
 from fabric_efa import EfaBackend
 from fabric_efa.engine import EfaEngine, default_queue_bytes, default_queue_depth
 
@@ -380,7 +380,10 @@ def test_an_engine_whose_progress_stays_inside_one_provider_call_closes_itself(
 
     try:
         with caplog.at_level(logging.ERROR, logger="fabric_core.native"):
-            in_flight = engine._new()  # type: ignore[attr-defined]  # a transfer the stuck step holds
+            # a transfer the stuck step holds, made as the fast path makes them
+            e: Any = engine
+            in_flight = new_transfer((0,), e._dispatch, e._timeout, e._drain_hook, e._cancel_hook)
+            e._inflight[in_flight.id] = in_flight
             waiters = [threading.Thread(target=f) for f in (wait_for_an_imm, wait_for_a_message)]
             for waiter in waiters:
                 waiter.start()

@@ -34,6 +34,7 @@ from fabric_core.ops import (
     WriteRequest,
     plan_request,
 )
+from fabric_core.transfer import FRESH_FIELDS, Transfer, new_transfer
 
 os.environ.setdefault("FI_TCP_IFACE", "lo")
 
@@ -332,3 +333,82 @@ def test_deregistered_region_leaves_the_fast_path() -> None:
         e.close()
     with pytest.raises(EngineClosed):
         e.submit_write(mr, 0, 8, desc, 8)
+
+
+def test_fast_path_transfers_are_made_as_the_constructor_makes_them(setup: Setup) -> None:
+    """The transfers the C++ fast path makes (copies of a prototype, fabric/pyfast.hpp) have
+    every field a ``new_transfer`` with the engine's hooks has: the shared ones the very same
+    objects, the fresh ones new objects of their own, ids from the one sequence."""
+    e = setup.engine
+    made = [
+        e.submit_write(setup.src, 0, 64, setup.dst, 0, imm=1),
+        e.submit_paged_write(setup.src, [0, 1], 64, setup.dst, [3, 2], 64, 64, imm=1),
+        e.submit_imm(setup.dst, 1),
+        e.submit_scatter(setup.src, [ScatterTarget(setup.dst, 64)], imm=1),
+    ]
+    between = Transfer((0,))  # the Python constructor, between fast-path transfers
+    made.append(e.submit_write(setup.src, 0, 64, setup.dst, 0))
+    reference = new_transfer((0,), e._dispatch, e._timeout, e._drain_hook, e._cancel_hook)
+    for t in made:
+        t.wait(10)
+        assert type(t) is Transfer and t.done() and t.exception() is None
+        assert t.id not in e._inflight  # completed through the in-flight table
+        for name in Transfer.__slots__:
+            if name in ("id", "imms_per_target", "_done", "_event"):
+                continue
+            mine, theirs = getattr(t, name), getattr(reference, name)
+            if name in FRESH_FIELDS:
+                assert type(mine) is type(theirs) and mine is not theirs, name
+            else:
+                assert mine is theirs or mine == theirs, name
+    ids = [t.id for t in made]
+    assert ids[:4] == sorted(ids[:4]) and ids[3] < between.id < ids[4]
+    assert len({id(t._lock) for t in made}) == len(made)
+    assert [t.imms_per_target for t in made] == [(min(setup.nics, 1),), (2,), (1,), (1,), (0,)]
+
+
+def test_the_transfer_maker_refuses_types_it_cannot_copy(setup: Setup) -> None:
+    """configure_transfers checks the prototype's type: a plain __slots__ class whose every
+    slot is fresh, imms_per_target or set in the prototype. A refused one changes nothing."""
+    e = setup.engine
+    core, inflight = e._core, e._inflight
+
+    class WithDict:
+        def __init__(self) -> None:
+            self.id = 0
+
+    class Slots:
+        __slots__ = ("id", "imms_per_target", "other")
+
+    unset = Slots()
+    unset.id, unset.imms_per_target = 0, (0,)
+    with pytest.raises(ValueError, match="__slots__ class"):
+        core.configure_transfers(WithDict(), {"id": int}, inflight)
+    with pytest.raises(AttributeError):
+        core.configure_transfers(unset, {"id": int}, inflight)  # ``other`` not set
+    unset.other = None
+    with pytest.raises(ValueError, match="every fresh field one"):
+        core.configure_transfers(unset, {"id": int, "missing": list}, inflight)
+    e.submit_imm(setup.dst, 1).wait(10)  # the engine's own maker is still in place
+
+
+def test_the_fastcall_entry_points_check_their_arguments(setup: Setup) -> None:
+    """fast_write and fast_imm are plain CPython methods (pyengine.hpp, FastCalls): positional
+    arguments only, the count and the timeout's type checked, nothing submitted on an error."""
+    e = setup.engine
+    core = e._core
+    before = core.fast_submitted()
+    with pytest.raises(TypeError, match=r"fast_write\(\) takes 8 positional arguments \(7 given\)"):
+        core.fast_write(setup.src, 0, 8, setup.dst, 0, None, Sharded())
+    with pytest.raises(TypeError, match=r"fast_imm\(\) takes 4 positional arguments \(5 given\)"):
+        core.fast_imm(setup.dst, 1, ShardPeers(), -1.0, None)
+    with pytest.raises(TypeError):
+        core.fast_imm(setup.dst, 1, ShardPeers(), "soon")
+    with pytest.raises(TypeError):
+        core.fast_imm(dst=setup.dst, imm=1, routing=ShardPeers(), timeout_s=-1.0)
+    assert core.fast_submitted() == before
+    assert core.fast_imm(setup.dst, -1, ShardPeers(), -1.0) is None  # invalid: the Python path's
+    t = core.fast_imm(setup.dst, 1, ShardPeers(), -1.0)
+    assert type(t) is Transfer and t.imms_per_target == (1,)
+    t.wait(10)
+    assert core.fast_submitted() == before + 1

@@ -4,7 +4,10 @@ and add only what is their own, and fabric_core types the compiled objects it dr
 Types only: nothing imports this module at run time.
 """
 
+from collections.abc import Callable
 from typing import Any
+
+from fabric_core.transfer import Transfer
 
 _Batch = tuple[
     list[int],
@@ -72,9 +75,11 @@ class NativeCoreApi:
         guarded: bool,
     ) -> None: ...
     def bind_region(self, token: int, region_handle: int, region: object) -> None: ...
+    def configure_transfers(
+        self, prototype: Transfer, fresh: dict[str, Callable[[], object]], inflight: dict[int, Transfer]
+    ) -> None: ...
     def fast_write(
         self,
-        id: int,
         src: object,
         src_offset: object,
         length: object,
@@ -82,11 +87,11 @@ class NativeCoreApi:
         dst_offset: object,
         imm: object,
         routing: object,
-        timeout_s: float = -1.0,
-    ) -> int: ...
+        timeout_s: float,
+        /,
+    ) -> Transfer | None: ...
     def fast_paged(
         self,
-        id: int,
         src: object,
         src_pages: object,
         src_stride: object,
@@ -99,20 +104,17 @@ class NativeCoreApi:
         imm: object,
         routing: object,
         timeout_s: float = -1.0,
-    ) -> int: ...
-    def fast_imm(
-        self, id: int, dst: object, imm: object, routing: object, timeout_s: float = -1.0
-    ) -> int: ...
+    ) -> Transfer | None: ...
+    def fast_imm(self, dst: object, imm: object, routing: object, timeout_s: float, /) -> Transfer | None: ...
     def fast_scatter(
         self,
-        id: int,
         src: object,
         targets: object,
         imm: object,
         routing: object,
         members: object,
         timeout_s: float = -1.0,
-    ) -> tuple[int, ...] | None: ...
+    ) -> Transfer | None: ...
     def fast_submitted(self) -> int: ...
     def plan_only(
         self, kind: str, args: tuple[object, ...], rotation: int

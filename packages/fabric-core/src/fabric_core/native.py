@@ -58,7 +58,7 @@ from .ops import (
 )
 from .settings import FabricSettings
 from .stats import NicStats, PeerStats
-from .transfer import Transfer, new_transfer
+from .transfer import FRESH_FIELDS, Transfer, new_transfer
 
 if TYPE_CHECKING:
     from ._native_api import NativeCoreApi as NativeCore
@@ -190,6 +190,11 @@ class NativeEngine(EngineBase):
             ScatterTarget,
             guarded,
         )
+        core.configure_transfers(
+            new_transfer(_NO_IMMS, self._dispatch, self._timeout, self._drain_hook, self._cancel_hook),
+            FRESH_FIELDS,
+            self._inflight,
+        )
         self._header = _HEADER.pack(len(self.address.raw)) + self.address.raw
         core.configure_liveness(settings.liveness_interval_s, settings.liveness_timeout_s, settings.timeout_s)
         self.queue_depth, self.queue_bytes = queue_limits(settings, queue_depth, queue_bytes)
@@ -214,19 +219,10 @@ class NativeEngine(EngineBase):
         """This engine's own endpoint closes (guarded providers record it)."""
 
     # --- submit: planned in C++ when the request is plain, else by plan_request ---------
-    def _fast(self, transfer: Transfer, imms: int) -> Transfer | None:
-        if imms < 0:
-            self._inflight.pop(transfer.id, None)
-            return None
-        transfer.imms_per_target = (imms,)
-        return transfer
-
-    def _new(self) -> Transfer:
-        """A transfer entered in the in-flight table (one dict store: atomic under the GIL)."""
-        transfer = new_transfer(_NO_IMMS, self._dispatch, self._timeout, self._drain_hook, self._cancel_hook)
-        self._inflight[transfer.id] = transfer
-        return transfer
-
+    # The core's fast_* calls plan and submit a plain request and return its Transfer, made
+    # in C++ as a copy of the prototype configure_transfers gave it (set in __init__) and
+    # entered in the in-flight table; None: plan_request's path takes it (and raises what is
+    # wrong with it).
     def submit_write(
         self,
         src: MemoryRegion,
@@ -240,10 +236,7 @@ class NativeEngine(EngineBase):
         timeout: float | None = None,
     ) -> Transfer:
         limit = -1.0 if timeout is None else self._deadline(timeout)
-        t = self._new()
-        done = self._fast(
-            t, self._core.fast_write(t.id, src, src_offset, length, dst, dst_offset, imm, routing, limit)
-        )
+        done = self._core.fast_write(src, src_offset, length, dst, dst_offset, imm, routing, limit)
         if done is not None:
             return done
         return super().submit(
@@ -259,8 +252,7 @@ class NativeEngine(EngineBase):
         timeout: float | None = None,
     ) -> Transfer:
         limit = -1.0 if timeout is None else self._deadline(timeout)
-        t = self._new()
-        done = self._fast(t, self._core.fast_imm(t.id, dst, imm, routing, limit))
+        done = self._core.fast_imm(dst, imm, routing, limit)
         return done if done is not None else super().submit(ImmRequest(dst, imm, routing), timeout=timeout)
 
     def submit_scatter(
@@ -288,13 +280,7 @@ class NativeEngine(EngineBase):
             members = group._members
         else:
             return None  # plan_request says what is wrong with it
-        t = self._new()
-        imms = self._core.fast_scatter(t.id, src, targets, imm, routing, members, limit)
-        if imms is None:
-            self._inflight.pop(t.id, None)
-            return None
-        t.imms_per_target = imms
-        return t
+        return self._core.fast_scatter(src, targets, imm, routing, members, limit)
 
     def submit(self, request: Request, *, timeout: float | None = None) -> Transfer:
         limit = -1.0 if timeout is None else self._deadline(timeout)
@@ -302,19 +288,14 @@ class NativeEngine(EngineBase):
         done: Transfer | None = None
         if kind is WriteRequest:
             r: Any = request
-            t = self._new()
-            done = self._fast(
-                t,
-                self._core.fast_write(
-                    t.id, r.src, r.src_offset, r.length, r.dst, r.dst_offset, r.imm, r.routing, limit
-                ),
+            done = self._core.fast_write(
+                r.src, r.src_offset, r.length, r.dst, r.dst_offset, r.imm, r.routing, limit
             )
         elif kind is PagedWriteRequest:
             done = self._fast_paged(request, limit)  # type: ignore[arg-type]
         elif kind is ImmRequest:
             r = request
-            t = self._new()
-            done = self._fast(t, self._core.fast_imm(t.id, r.dst, r.imm, r.routing, limit))
+            done = self._core.fast_imm(r.dst, r.imm, r.routing, limit)
         elif kind is ScatterRequest:
             r = request
             done = self._fast_scatter(r.src, r.targets, r.imm, r.routing, r.group, limit)
@@ -328,9 +309,7 @@ class NativeEngine(EngineBase):
             )
         except FabricError:
             return None  # plan_request raises it, after the checks it makes first
-        t = self._new()
-        imms = self._core.fast_paged(
-            t.id,
+        done = self._core.fast_paged(
             r.src,
             src_pages,
             r.src_stride,
@@ -344,7 +323,6 @@ class NativeEngine(EngineBase):
             r.routing,
             limit,
         )
-        done = self._fast(t, imms)
         # A wait on a long paged transfer gains little by draining (it saves one hand-off from
         # the completion thread on a transfer of milliseconds) and, where the peer's CPU moves
         # the bytes on this very host (shm), its spinning takes CPU from that copy: the

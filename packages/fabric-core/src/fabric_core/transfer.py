@@ -244,8 +244,9 @@ def _fill(
     drain: Callable[[Transfer, float], None] | None,
     cancel: Callable[[Transfer, float | None], bool] | None,
 ) -> None:
-    """Every field of a fresh transfer (``Transfer()`` and ``new_transfer`` alike)."""
-    t.id = next(_ids)
+    """Every field of a fresh transfer (``Transfer()`` and ``new_transfer`` alike). The native
+    fast path copies a transfer made here, making the ``FRESH_FIELDS`` anew."""
+    t.id = _next_id()
     t.imms_per_target = imms_per_target
     t._lock = threading.Lock()
     t._done = False
@@ -259,6 +260,17 @@ def _fill(
 
 
 _object_new = object.__new__
+_next_id = _ids.__next__
+
+# The fields of a transfer that _fill makes anew for each (the rest are shared values: None,
+# False, the engine's dispatcher, timeout and hooks), each with a factory taking no arguments.
+# The native fast path (fabric/pyfast.hpp, TransferMaker) makes its transfers as copies of one
+# that new_transfer made, these fields made by these factories and imms_per_target its own.
+FRESH_FIELDS: dict[str, Callable[[], object]] = {
+    "id": _next_id,
+    "_lock": threading.Lock,
+    "_callbacks": list,
+}
 
 
 def new_transfer(

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -140,50 +141,65 @@ class PyEngine {
         fast_->add_region(region_handle, std::move(region), it->second.ptr, it->second.len, it->second.descs);
     }
 
-    // Each returns the number of imms the target will count, or -1: take the Python path.
-    int64_t fast_write(uint64_t id, py::handle src, py::handle src_offset, py::handle length, py::handle dst,
-                       py::handle dst_offset, py::handle imm, py::handle routing, double timeout_s) {
-        if (closed_ || !fast_) return -1;
-        return push(fast_->write(id, src.ptr(), src_offset.ptr(), length.ptr(), dst.ptr(), dst_offset.ptr(), imm.ptr(),
-                                 routing.ptr(), rotation_),
+    // How the fast path makes its transfers (fast::TransferMaker): copies of ``prototype``
+    // with the ``fresh`` fields made anew, entered in ``inflight`` (id -> transfer).
+    void configure_transfers(py::handle prototype, const py::dict& fresh, py::dict inflight) {
+        maker_ = std::make_unique<fast::TransferMaker>(prototype, fresh, std::move(inflight));
+    }
+
+    // Each returns the submitted request's Transfer, in the in-flight table before the engine
+    // can complete it, or None: take the Python path (nothing was made or submitted).
+    py::object fast_write(py::handle src, py::handle src_offset, py::handle length, py::handle dst,
+                          py::handle dst_offset, py::handle imm, py::handle routing, double timeout_s) {
+        if (closed_ || !fast_ || !maker_) return py::none();
+        uint64_t id;
+        py::object id_obj = maker_->next_id(id);
+        return push(id_obj, fast_->write(id, src.ptr(), src_offset.ptr(), length.ptr(), dst.ptr(), dst_offset.ptr(),
+                                         imm.ptr(), routing.ptr(), rotation_),
                     timeout_s);
     }
 
-    int64_t fast_paged(uint64_t id, py::handle src, py::handle src_pages, py::handle src_stride, py::handle dst,
-                       py::handle dst_pages, py::handle dst_stride, py::handle page_length, py::handle src_offset,
-                       py::handle dst_offset, py::handle imm, py::handle routing, double timeout_s) {
-        if (closed_ || !fast_) return -1;
-        return push(fast_->paged(id, src.ptr(), src_pages.ptr(), src_stride.ptr(), dst.ptr(), dst_pages.ptr(),
+    py::object fast_paged(py::handle src, py::handle src_pages, py::handle src_stride, py::handle dst,
+                          py::handle dst_pages, py::handle dst_stride, py::handle page_length, py::handle src_offset,
+                          py::handle dst_offset, py::handle imm, py::handle routing, double timeout_s) {
+        if (closed_ || !fast_ || !maker_) return py::none();
+        uint64_t id;
+        py::object id_obj = maker_->next_id(id);
+        return push(id_obj,
+                    fast_->paged(id, src.ptr(), src_pages.ptr(), src_stride.ptr(), dst.ptr(), dst_pages.ptr(),
                                  dst_stride.ptr(), page_length.ptr(), src_offset.ptr(), dst_offset.ptr(), imm.ptr(),
                                  routing.ptr(), rotation_),
                     timeout_s);
     }
 
-    int64_t fast_imm(uint64_t id, py::handle dst, py::handle imm, py::handle routing, double timeout_s) {
-        if (closed_ || !fast_) return -1;
-        return push(fast_->imm_only(id, dst.ptr(), imm.ptr(), routing.ptr(), rotation_), timeout_s);
+    py::object fast_imm(py::handle dst, py::handle imm, py::handle routing, double timeout_s) {
+        if (closed_ || !fast_ || !maker_) return py::none();
+        uint64_t id;
+        py::object id_obj = maker_->next_id(id);
+        return push(id_obj, fast_->imm_only(id, dst.ptr(), imm.ptr(), routing.ptr(), rotation_), timeout_s);
     }
 
-    // The imms each target will count (a tuple), or None: take the Python path. ``members``:
-    // the peer group's member set, or None.
-    py::object fast_scatter(uint64_t id, py::handle src, py::handle targets, py::handle imm, py::handle routing,
+    // ``members``: the peer group's member set, or None. The transfer's imms_per_target has
+    // one entry per target.
+    py::object fast_scatter(py::handle src, py::handle targets, py::handle imm, py::handle routing,
                             py::handle members, double timeout_s) {
-        if (closed_ || !fast_) return py::none();
+        if (closed_ || !fast_ || !maker_) return py::none();
+        uint64_t id;
+        py::object id_obj = maker_->next_id(id);
         std::vector<int64_t> per_target;
         auto req = fast_->scatter(id, src.ptr(), targets.ptr(), imm.ptr(), routing.ptr(), members.ptr(), rotation_,
                                   per_target);
         if (!req) return py::none();
-        push(std::move(req), timeout_s);
-        py::tuple out(per_target.size());
-        for (size_t i = 0; i < per_target.size(); i++) out[i] = py::int_(per_target[i]);
-        return std::move(out);
+        py::tuple imms(per_target.size());
+        for (size_t i = 0; i < per_target.size(); i++) imms[i] = py::int_(per_target[i]);
+        return push(id_obj, std::move(req), timeout_s, std::move(imms));
     }
 
     uint64_t fast_submitted() const { return fast_submitted_; }
 
     // What the fast path would post for ``kind`` ("write", "paged", "imm", "scatter": src,
-    // targets, imm, routing, members) with ``args`` (the
-    // fast_* arguments after the id) at ``rotation``, without posting: None where it defers
+    // targets, imm, routing, members) with ``args`` (the fast_* arguments before the
+    // timeout) at ``rotation``, without posting or making a transfer: None where it defers
     // to plan_request, else (nic, target, src, dst_off, length) arrays, src as an address.
     py::object plan_only(const std::string& kind, py::tuple args, uint64_t rotation) {
         if (!fast_) return py::none();
@@ -472,6 +488,7 @@ class PyEngine {
             wedged_ = !engine_->close(join_timeout_s);
         }
         if (fast_) fast_->clear();
+        maker_.reset();  // its prototype holds the Python engine's hooks: a cycle through this object
         std::lock_guard<std::mutex> lock(mu_);
         if (!wedged_)
             for (auto& [h, reg] : regs_) release(reg);
@@ -535,14 +552,20 @@ class PyEngine {
         reg.mrs.clear();
     }
 
-    int64_t push(std::unique_ptr<Request> req, double timeout_s) {
-        if (!req) return -1;
+    // The fast path's submit of a planned request (null: take the Python path): its Transfer
+    // is made and in the in-flight table before the engine has it, since a submit that posts
+    // inline releases the GIL, and the completion thread may then take the completion.
+    // ``imms``: the transfer's imms_per_target, else (the imms its one target counts,).
+    py::object push(const py::object& id, std::unique_ptr<Request> req, double timeout_s,
+                    py::object imms = py::object()) {
+        if (!req) return py::none();
         req->timeout_s = timeout_s;
-        int64_t imms = req->has_imm ? static_cast<int64_t>(req->wrs()) : 0;
+        if (!imms) imms = py::make_tuple(req->has_imm ? static_cast<int64_t>(req->wrs()) : 0);
+        py::object transfer = maker_->make(id, std::move(imms));
         rotation_++;
         fast_submitted_++;
         submit_outside_gil(std::move(req));
-        return imms;
+        return transfer;
     }
 
     // Submits with the GIL held, except that a request the engine would post from this
@@ -596,13 +619,72 @@ class PyEngine {
     std::vector<NicTrafficView> final_nics_;    // and nic_stats()
     std::vector<PeerTrafficView> final_peers_;  // and peer_stats()
     std::unique_ptr<fast::FastPlanner> fast_;  // guarded by the GIL
+    std::unique_ptr<fast::TransferMaker> maker_;  // guarded by the GIL
     uint64_t rotation_ = 0;                           // guarded by the GIL
     uint64_t fast_submitted_ = 0;                     // guarded by the GIL
+};
+
+// fast_write and fast_imm, the calls on the path of every small transfer, as METH_FASTCALL
+// methods: pybind11's dispatcher costs about 0.15 us a call on the 2-core machine, a tenth of
+// a submit, and a plain CPython method a few tens of ns. Positional arguments only, as
+// NativeEngine passes them; the timeout last, a float.
+template <class Cls>
+struct FastCalls {
+    static PyObject* write(PyObject* self, PyObject* const* a, Py_ssize_t n) {
+        return call(self, a, n, 8, "fast_write",
+                    [a](Cls& e, double t) { return e.fast_write(a[0], a[1], a[2], a[3], a[4], a[5], a[6], t); });
+    }
+    static PyObject* imm(PyObject* self, PyObject* const* a, Py_ssize_t n) {
+        return call(self, a, n, 4, "fast_imm", [a](Cls& e, double t) { return e.fast_imm(a[0], a[1], a[2], t); });
+    }
+
+    // Adds them to ``cls``: method descriptors, as a def() would (the instance comes as self).
+    static void add(py::handle cls) {
+        static PyMethodDef defs[] = {
+            {"fast_write", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&write)), METH_FASTCALL,
+             "fast_write($self, src, src_offset, length, dst, dst_offset, imm, routing, timeout_s, /)\n--\n\n"
+             "Plans and submits a plain write: its Transfer, or None for the Python path."},
+            {"fast_imm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&imm)), METH_FASTCALL,
+             "fast_imm($self, dst, imm, routing, timeout_s, /)\n--\n\n"
+             "Plans and submits a plain imm: its Transfer, or None for the Python path."},
+        };
+        for (PyMethodDef& def : defs) {
+            auto descr = py::reinterpret_steal<py::object>(
+                PyDescr_NewMethod(reinterpret_cast<PyTypeObject*>(cls.ptr()), &def));
+            if (!descr) throw py::error_already_set();
+            py::setattr(cls, def.ml_name, descr);
+        }
+    }
+
+  private:
+    template <class F>
+    static PyObject* call(PyObject* self, PyObject* const* a, Py_ssize_t n, Py_ssize_t want, const char* name,
+                          F&& f) {
+        if (n != want) {
+            PyErr_Format(PyExc_TypeError, "%s() takes %zd positional arguments (%zd given)", name, want, n);
+            return nullptr;
+        }
+        double timeout_s = PyFloat_AsDouble(a[want - 1]);
+        if (timeout_s == -1.0 && PyErr_Occurred()) return nullptr;
+        try {
+            return f(py::cast<Cls&>(py::handle(self)), timeout_s).release().ptr();
+        } catch (py::error_already_set& err) {
+            err.restore();
+        } catch (const py::cast_error& err) {
+            PyErr_SetString(PyExc_TypeError, err.what());
+        } catch (const std::bad_alloc&) {
+            PyErr_NoMemory();
+        } catch (const std::exception& err) {
+            PyErr_SetString(PyExc_RuntimeError, err.what());
+        }
+        return nullptr;
+    }
 };
 
 // Defines the shared methods of a PyEngine<Domain> subclass ``Cls`` on its Python class.
 template <class Cls, class... Options>
 void bind_engine(py::class_<Cls, Options...>& c) {
+    FastCalls<Cls>::add(c);
     c.def("addresses", &Cls::addresses)
         .def("counters", &Cls::counters)
         .def("register_memory", &Cls::register_memory, py::arg("ptr"), py::arg("length"), py::arg("remote_write"))
@@ -619,16 +701,13 @@ void bind_engine(py::class_<Cls, Options...>& c) {
         .def("configure_fast", &Cls::configure_fast, py::arg("max_msg"), py::arg("sharded"), py::arg("pinned"),
              py::arg("shard_peers"), py::arg("descriptor"), py::arg("scatter_target"), py::arg("guarded"))
         .def("bind_region", &Cls::bind_region, py::arg("token"), py::arg("region_handle"), py::arg("region"))
-        .def("fast_write", &Cls::fast_write, py::arg("id"), py::arg("src"), py::arg("src_offset"),
-             py::arg("length"), py::arg("dst"), py::arg("dst_offset"), py::arg("imm"), py::arg("routing"),
-             py::arg("timeout_s") = -1.0)
-        .def("fast_paged", &Cls::fast_paged, py::arg("id"), py::arg("src"), py::arg("src_pages"),
-             py::arg("src_stride"), py::arg("dst"), py::arg("dst_pages"), py::arg("dst_stride"), py::arg("page_length"),
+        .def("configure_transfers", &Cls::configure_transfers, py::arg("prototype"), py::arg("fresh"),
+             py::arg("inflight"))
+        .def("fast_paged", &Cls::fast_paged, py::arg("src"), py::arg("src_pages"), py::arg("src_stride"),
+             py::arg("dst"), py::arg("dst_pages"), py::arg("dst_stride"), py::arg("page_length"),
              py::arg("src_offset"), py::arg("dst_offset"), py::arg("imm"), py::arg("routing"),
              py::arg("timeout_s") = -1.0)
-        .def("fast_imm", &Cls::fast_imm, py::arg("id"), py::arg("dst"), py::arg("imm"), py::arg("routing"),
-             py::arg("timeout_s") = -1.0)
-        .def("fast_scatter", &Cls::fast_scatter, py::arg("id"), py::arg("src"), py::arg("targets"), py::arg("imm"),
+        .def("fast_scatter", &Cls::fast_scatter, py::arg("src"), py::arg("targets"), py::arg("imm"),
              py::arg("routing"), py::arg("members"), py::arg("timeout_s") = -1.0)
         .def("fast_submitted", &Cls::fast_submitted)
         .def("plan_only", &Cls::plan_only, py::arg("kind"), py::arg("args"), py::arg("rotation"))
