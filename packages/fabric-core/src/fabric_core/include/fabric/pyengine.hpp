@@ -124,7 +124,7 @@ class PyEngine {
     // --- the fast path (fabric/pyfast.hpp) ------------------------------------------------
     void configure_fast(uint64_t max_msg, py::object sharded, py::object pinned, py::object shard_peers,
                         py::object descriptor, py::object scatter_target, bool guarded) {
-        fast_ = std::make_unique<fast::FastPlanner>(
+        fast_ = std::make_shared<fast::FastPlanner>(
             engine_->num_nics(), max_msg,
             fast::Classes{std::move(sharded), std::move(pinned), std::move(shard_peers), std::move(descriptor),
                           std::move(scatter_target)},
@@ -144,17 +144,19 @@ class PyEngine {
     // How the fast path makes its transfers (fast::TransferMaker): copies of ``prototype``
     // with the ``fresh`` fields made anew, entered in ``inflight`` (id -> transfer).
     void configure_transfers(py::handle prototype, const py::dict& fresh, py::dict inflight) {
-        maker_ = std::make_unique<fast::TransferMaker>(prototype, fresh, std::move(inflight));
+        maker_ = std::make_shared<fast::TransferMaker>(prototype, fresh, std::move(inflight));
     }
 
     // Each returns the submitted request's Transfer, in the in-flight table before the engine
     // can complete it, or None: take the Python path (nothing was made or submitted).
     py::object fast_write(py::handle src, py::handle src_offset, py::handle length, py::handle dst,
                           py::handle dst_offset, py::handle imm, py::handle routing, double timeout_s) {
-        if (closed_ || !fast_ || !maker_) return py::none();
+        auto planner = fast_;  // (held for the call: see push)
+        auto maker = maker_;
+        if (closed_ || !planner || !maker) return py::none();
         uint64_t id;
-        py::object id_obj = maker_->next_id(id);
-        return push(id_obj, fast_->write(id, src.ptr(), src_offset.ptr(), length.ptr(), dst.ptr(), dst_offset.ptr(),
+        py::object id_obj = maker->next_id(id);
+        return push(*maker, id_obj, planner->write(id, src.ptr(), src_offset.ptr(), length.ptr(), dst.ptr(), dst_offset.ptr(),
                                          imm.ptr(), routing.ptr(), rotation_),
                     timeout_s);
     }
@@ -162,37 +164,43 @@ class PyEngine {
     py::object fast_paged(py::handle src, py::handle src_pages, py::handle src_stride, py::handle dst,
                           py::handle dst_pages, py::handle dst_stride, py::handle page_length, py::handle src_offset,
                           py::handle dst_offset, py::handle imm, py::handle routing, double timeout_s) {
-        if (closed_ || !fast_ || !maker_) return py::none();
+        auto planner = fast_;
+        auto maker = maker_;
+        if (closed_ || !planner || !maker) return py::none();
         uint64_t id;
-        py::object id_obj = maker_->next_id(id);
-        return push(id_obj,
-                    fast_->paged(id, src.ptr(), src_pages.ptr(), src_stride.ptr(), dst.ptr(), dst_pages.ptr(),
+        py::object id_obj = maker->next_id(id);
+        return push(*maker, id_obj,
+                    planner->paged(id, src.ptr(), src_pages.ptr(), src_stride.ptr(), dst.ptr(), dst_pages.ptr(),
                                  dst_stride.ptr(), page_length.ptr(), src_offset.ptr(), dst_offset.ptr(), imm.ptr(),
                                  routing.ptr(), rotation_),
                     timeout_s);
     }
 
     py::object fast_imm(py::handle dst, py::handle imm, py::handle routing, double timeout_s) {
-        if (closed_ || !fast_ || !maker_) return py::none();
+        auto planner = fast_;  // (held for the call: see push)
+        auto maker = maker_;
+        if (closed_ || !planner || !maker) return py::none();
         uint64_t id;
-        py::object id_obj = maker_->next_id(id);
-        return push(id_obj, fast_->imm_only(id, dst.ptr(), imm.ptr(), routing.ptr(), rotation_), timeout_s);
+        py::object id_obj = maker->next_id(id);
+        return push(*maker, id_obj, planner->imm_only(id, dst.ptr(), imm.ptr(), routing.ptr(), rotation_), timeout_s);
     }
 
     // ``members``: the peer group's member set, or None. The transfer's imms_per_target has
     // one entry per target.
     py::object fast_scatter(py::handle src, py::handle targets, py::handle imm, py::handle routing,
                             py::handle members, double timeout_s) {
-        if (closed_ || !fast_ || !maker_) return py::none();
+        auto planner = fast_;
+        auto maker = maker_;
+        if (closed_ || !planner || !maker) return py::none();
         uint64_t id;
-        py::object id_obj = maker_->next_id(id);
+        py::object id_obj = maker->next_id(id);
         std::vector<int64_t> per_target;
-        auto req = fast_->scatter(id, src.ptr(), targets.ptr(), imm.ptr(), routing.ptr(), members.ptr(), rotation_,
+        auto req = planner->scatter(id, src.ptr(), targets.ptr(), imm.ptr(), routing.ptr(), members.ptr(), rotation_,
                                   per_target);
         if (!req) return py::none();
         py::tuple imms(per_target.size());
         for (size_t i = 0; i < per_target.size(); i++) imms[i] = py::int_(per_target[i]);
-        return push(id_obj, std::move(req), timeout_s, std::move(imms));
+        return push(*maker, id_obj, std::move(req), timeout_s, std::move(imms));
     }
 
     uint64_t fast_submitted() const { return fast_submitted_; }
@@ -202,19 +210,20 @@ class PyEngine {
     // timeout) at ``rotation``, without posting or making a transfer: None where it defers
     // to plan_request, else (nic, target, src, dst_off, length) arrays, src as an address.
     py::object plan_only(const std::string& kind, py::tuple args, uint64_t rotation) {
-        if (!fast_) return py::none();
+        auto planner = fast_;
+        if (!planner) return py::none();
         auto at = [&](size_t i) { return args[i].ptr(); };
         std::unique_ptr<Request> req;
         if (kind == "write" && args.size() == 7) {
-            req = fast_->write(0, at(0), at(1), at(2), at(3), at(4), at(5), at(6), rotation);
+            req = planner->write(0, at(0), at(1), at(2), at(3), at(4), at(5), at(6), rotation);
         } else if (kind == "paged" && args.size() == 11) {
-            req = fast_->paged(0, at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7), at(8), at(9), at(10),
+            req = planner->paged(0, at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7), at(8), at(9), at(10),
                                rotation);
         } else if (kind == "imm" && args.size() == 3) {
-            req = fast_->imm_only(0, at(0), at(1), at(2), rotation);
+            req = planner->imm_only(0, at(0), at(1), at(2), rotation);
         } else if (kind == "scatter" && args.size() == 5) {
             std::vector<int64_t> per_target;
-            req = fast_->scatter(0, at(0), at(1), at(2), at(3), at(4), rotation, per_target);
+            req = planner->scatter(0, at(0), at(1), at(2), at(3), at(4), rotation, per_target);
         } else {
             throw std::invalid_argument("plan_only: unknown kind or wrong number of arguments");
         }
@@ -487,8 +496,10 @@ class PyEngine {
             py::gil_scoped_release release;
             wedged_ = !engine_->close(join_timeout_s);
         }
-        if (fast_) fast_->clear();
-        maker_.reset();  // its prototype holds the Python engine's hooks: a cycle through this object
+        // (a fast call under way holds its own: see push) The maker's prototype holds the
+        // Python engine's hooks, a reference cycle through this object.
+        fast_.reset();
+        maker_.reset();
         std::lock_guard<std::mutex> lock(mu_);
         if (!wedged_)
             for (auto& [h, reg] : regs_) release(reg);
@@ -556,12 +567,21 @@ class PyEngine {
     // is made and in the in-flight table before the engine has it, since a submit that posts
     // inline releases the GIL, and the completion thread may then take the completion.
     // ``imms``: the transfer's imms_per_target, else (the imms its one target counts,).
-    py::object push(const py::object& id, std::unique_ptr<Request> req, double timeout_s,
+    // Python code can run inside a fast call (an attribute the planner reads, a finalizer
+    // that an allocation's collection runs), and another thread with it: one that closes
+    // this engine drops fast_ and maker_, which each call therefore holds for itself. An
+    // engine that closed meanwhile gets nothing: the caller takes the Python path, which
+    // raises EngineClosed.
+    py::object push(fast::TransferMaker& maker, const py::object& id, std::unique_ptr<Request> req, double timeout_s,
                     py::object imms = py::object()) {
-        if (!req) return py::none();
+        if (!req || closed_) return py::none();
         req->timeout_s = timeout_s;
         if (!imms) imms = py::make_tuple(req->has_imm ? static_cast<int64_t>(req->wrs()) : 0);
-        py::object transfer = maker_->make(id, std::move(imms));
+        py::object transfer = maker.make(id, std::move(imms));
+        if (closed_) {
+            maker.forget(id);
+            return py::none();
+        }
         rotation_++;
         fast_submitted_++;
         submit_outside_gil(std::move(req));
@@ -618,8 +638,8 @@ class PyEngine {
     EngineStats final_stats_;  // what stats() reports once the engine is destroyed
     std::vector<NicTrafficView> final_nics_;    // and nic_stats()
     std::vector<PeerTrafficView> final_peers_;  // and peer_stats()
-    std::unique_ptr<fast::FastPlanner> fast_;  // guarded by the GIL
-    std::unique_ptr<fast::TransferMaker> maker_;  // guarded by the GIL
+    std::shared_ptr<fast::FastPlanner> fast_;     // guarded by the GIL; null once closed
+    std::shared_ptr<fast::TransferMaker> maker_;  // guarded by the GIL; null once closed
     uint64_t rotation_ = 0;                           // guarded by the GIL
     uint64_t fast_submitted_ = 0;                     // guarded by the GIL
 };

@@ -67,11 +67,6 @@ class FastPlanner {
     }
     // Whether NIC 0's domain takes a paged request to a key as list ops (Engine::takes_lists).
     void set_lists(std::function<bool(uint64_t)> lists) { lists_ = std::move(lists); }
-    void clear() {
-        regions_.clear();
-        handles_.clear();
-        targets_.clear();
-    }
 
     // WriteRequest(src, src_offset, length, dst, dst_offset, imm, routing).
     std::unique_ptr<Request> write(uint64_t id, PyObject* src, PyObject* src_off, PyObject* length, PyObject* dst,
@@ -434,15 +429,17 @@ class TransferMaker {
             throw std::invalid_argument("TransferMaker: the transfer type must be a __slots__ class");
         py::object imms_name = py::str("imms_per_target"), id_name = py::str("id");
         size_t used = 0;
+        // (each class's __dict__ through the attribute: a static builtin type's tp_dict is
+        // null from Python 3.12 on)
         for (py::handle cls : py::reinterpret_borrow<py::tuple>(type_->tp_mro)) {
-            auto* t = reinterpret_cast<PyTypeObject*>(cls.ptr());
-            for (auto item : py::reinterpret_borrow<py::dict>(t->tp_dict)) {
-                if (Py_TYPE(item.second.ptr()) != &PyMemberDescr_Type) continue;
-                const PyMemberDef* m = reinterpret_cast<PyMemberDescrObject*>(item.second.ptr())->d_member;
+            py::object items = cls.attr("__dict__").attr("items")();
+            for (py::handle pair : items) {
+                py::object name = pair[py::int_(0)], descr = pair[py::int_(1)];
+                if (Py_TYPE(descr.ptr()) != &PyMemberDescr_Type) continue;
+                const PyMemberDef* m = reinterpret_cast<PyMemberDescrObject*>(descr.ptr())->d_member;
                 if (m->type != T_OBJECT_EX || (m->flags & READONLY))
                     throw std::invalid_argument("TransferMaker: a slot of the transfer type is not an object slot");
                 auto offset = static_cast<Py_ssize_t>(m->offset);
-                py::handle name = item.first;
                 if (name.equal(imms_name)) {
                     imms_off_ = offset;
                 } else if (fresh.contains(name)) {
@@ -486,6 +483,11 @@ class TransferMaker {
         *reinterpret_cast<PyObject**>(base + imms_off_) = imms.release().ptr();
         if (PyDict_SetItem(inflight_.ptr(), id.ptr(), obj.ptr()) != 0) throw py::error_already_set();
         return obj;
+    }
+
+    // Takes a transfer make() entered back out of the in-flight table (it was never submitted).
+    void forget(const py::object& id) const {
+        if (PyDict_DelItem(inflight_.ptr(), id.ptr()) != 0) PyErr_Clear();
     }
 
   private:
