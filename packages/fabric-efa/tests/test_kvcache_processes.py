@@ -231,19 +231,22 @@ def test_a_prefill_process_killed_mid_request_fails_only_its_request_and_returns
     ``inside_a_post`` exits while its engine may be posting the layer's writes. libfabric 2.x's
     shm cannot survive a writer killed between claiming a slot of the target's command queue
     and committing it: the target's queue stalls behind that slot for good, for every writer
-    (docs/concepts/failures.md, "shm 2.x and a process killed mid-post"). There, and only
-    there, prefill 1's requests may instead end in typed transport errors at both ends,
-    within the test's bounded waits, or in ``EngineWedged`` where an engine's progress stays
-    stuck in the provider for its liveness timeout; the dead prefill's request must still fail
-    typed."""
+    (docs/concepts/failures.md, "shm 2.x and a process killed mid-post"). There, prefill 1's
+    requests may instead end in typed transport errors at both ends, within the test's
+    bounded waits, or in ``EngineWedged`` where an engine's progress stays stuck in the
+    provider for its liveness timeout; the dead prefill's request must still fail typed. On
+    1.17 a writer killed holding the decoder's queue lock leaves the decoder's progress
+    spinning on it: there the dead prefill's request may end in ``EngineWedged`` (met once, in
+    a CI run), and nothing else is accepted."""
     results = _run(dying=dying)
     assert results[1] == (None, 3)  # prefill 0 died as planned
     problems, fired, completed, failed, pages_used, doomed, decoder_typed = results[0]
     survivor_problems, *_rest, survivor_typed = results[2]
     stalled = problems or survivor_problems or doomed.get("error") != "PeerUnreachable"
-    if dying == "inside_a_post" and _libfabric_major() >= 2 and stalled:
-        # The stalled queue (or the target's region lock, held by the dead writer: then the
-        # decoder's engine makes no progress, and closes itself after its liveness timeout:
+    v2 = _libfabric_major() >= 2
+    if dying == "inside_a_post" and stalled and (v2 or doomed.get("error") == "EngineWedged"):
+        # The stalled queue (or the target's lock, held by the dead writer: then the decoder's
+        # engine makes no progress, and closes itself after its liveness timeout:
         # EngineWedged): every failure typed within the bounded waits, none a wrong byte or leak.
         assert doomed.get("error") in {"PeerUnreachable", "TransferTimeout", "EngineWedged"}, doomed
         assert (problems == [] or decoder_typed) and (survivor_problems == [] or survivor_typed), (
@@ -252,7 +255,8 @@ def test_a_prefill_process_killed_mid_request_fails_only_its_request_and_returns
         )
         # reported as such (the checks above held): the known limit, not a pass
         pytest.xfail(
-            f"libfabric 2.x shm stalled by the killed writer: {doomed}, {problems + survivor_problems}"
+            f"libfabric {'2.x' if v2 else '1.17'} shm stalled by the killed writer: {doomed}, "
+            f"{problems + survivor_problems}"
         )
     assert doomed["error"] == "PeerUnreachable" and doomed["after_s"] < 10.0, doomed
     assert survivor_problems == []
