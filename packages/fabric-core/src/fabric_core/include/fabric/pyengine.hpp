@@ -156,8 +156,9 @@ class PyEngine {
         if (closed_ || !planner || !maker) return py::none();
         uint64_t id;
         py::object id_obj = maker->next_id(id);
-        return push(*maker, id_obj, planner->write(id, src.ptr(), src_offset.ptr(), length.ptr(), dst.ptr(), dst_offset.ptr(),
-                                         imm.ptr(), routing.ptr(), rotation_),
+        return push(*maker, id_obj,
+                    planner->write(id, src.ptr(), src_offset.ptr(), length.ptr(), dst.ptr(), dst_offset.ptr(),
+                                   imm.ptr(), routing.ptr(), rotation_),
                     timeout_s);
     }
 
@@ -196,7 +197,7 @@ class PyEngine {
         py::object id_obj = maker->next_id(id);
         std::vector<int64_t> per_target;
         auto req = planner->scatter(id, src.ptr(), targets.ptr(), imm.ptr(), routing.ptr(), members.ptr(), rotation_,
-                                  per_target);
+                                    per_target);
         if (!req) return py::none();
         py::tuple imms(per_target.size());
         for (size_t i = 0; i < per_target.size(); i++) imms[i] = py::int_(per_target[i]);
@@ -218,7 +219,7 @@ class PyEngine {
             req = planner->write(0, at(0), at(1), at(2), at(3), at(4), at(5), at(6), rotation);
         } else if (kind == "paged" && args.size() == 11) {
             req = planner->paged(0, at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7), at(8), at(9), at(10),
-                               rotation);
+                                 rotation);
         } else if (kind == "imm" && args.size() == 3) {
             req = planner->imm_only(0, at(0), at(1), at(2), rotation);
         } else if (kind == "scatter" && args.size() == 5) {
