@@ -151,57 +151,43 @@ class PyEngine {
     // can complete it, or None: take the Python path (nothing was made or submitted).
     py::object fast_write(py::handle src, py::handle src_offset, py::handle length, py::handle dst,
                           py::handle dst_offset, py::handle imm, py::handle routing, double timeout_s) {
-        auto planner = fast_;  // (held for the call: see push)
-        auto maker = maker_;
-        if (closed_ || !planner || !maker) return py::none();
-        uint64_t id;
-        py::object id_obj = maker->next_id(id);
-        return push(*maker, id_obj,
-                    planner->write(id, src.ptr(), src_offset.ptr(), length.ptr(), dst.ptr(), dst_offset.ptr(),
-                                   imm.ptr(), routing.ptr(), rotation_),
-                    timeout_s);
+        return fast_submit(timeout_s, [&](fast::FastPlanner& p, uint64_t id, py::object&) {
+            return p.write(id, src.ptr(), src_offset.ptr(), length.ptr(), dst.ptr(), dst_offset.ptr(), imm.ptr(),
+                           routing.ptr(), rotation_);
+        });
     }
 
     py::object fast_paged(py::handle src, py::handle src_pages, py::handle src_stride, py::handle dst,
                           py::handle dst_pages, py::handle dst_stride, py::handle page_length, py::handle src_offset,
                           py::handle dst_offset, py::handle imm, py::handle routing, double timeout_s) {
-        auto planner = fast_;
-        auto maker = maker_;
-        if (closed_ || !planner || !maker) return py::none();
-        uint64_t id;
-        py::object id_obj = maker->next_id(id);
-        return push(*maker, id_obj,
-                    planner->paged(id, src.ptr(), src_pages.ptr(), src_stride.ptr(), dst.ptr(), dst_pages.ptr(),
-                                 dst_stride.ptr(), page_length.ptr(), src_offset.ptr(), dst_offset.ptr(), imm.ptr(),
-                                 routing.ptr(), rotation_),
-                    timeout_s);
+        return fast_submit(timeout_s, [&](fast::FastPlanner& p, uint64_t id, py::object&) {
+            return p.paged(id, src.ptr(), src_pages.ptr(), src_stride.ptr(), dst.ptr(), dst_pages.ptr(),
+                           dst_stride.ptr(), page_length.ptr(), src_offset.ptr(), dst_offset.ptr(), imm.ptr(),
+                           routing.ptr(), rotation_);
+        });
     }
 
     py::object fast_imm(py::handle dst, py::handle imm, py::handle routing, double timeout_s) {
-        auto planner = fast_;  // (held for the call: see push)
-        auto maker = maker_;
-        if (closed_ || !planner || !maker) return py::none();
-        uint64_t id;
-        py::object id_obj = maker->next_id(id);
-        return push(*maker, id_obj, planner->imm_only(id, dst.ptr(), imm.ptr(), routing.ptr(), rotation_), timeout_s);
+        return fast_submit(timeout_s, [&](fast::FastPlanner& p, uint64_t id, py::object&) {
+            return p.imm_only(id, dst.ptr(), imm.ptr(), routing.ptr(), rotation_);
+        });
     }
 
     // ``members``: the peer group's member set, or None. The transfer's imms_per_target has
     // one entry per target.
     py::object fast_scatter(py::handle src, py::handle targets, py::handle imm, py::handle routing,
                             py::handle members, double timeout_s) {
-        auto planner = fast_;
-        auto maker = maker_;
-        if (closed_ || !planner || !maker) return py::none();
-        uint64_t id;
-        py::object id_obj = maker->next_id(id);
-        std::vector<int64_t> per_target;
-        auto req = planner->scatter(id, src.ptr(), targets.ptr(), imm.ptr(), routing.ptr(), members.ptr(), rotation_,
-                                    per_target);
-        if (!req) return py::none();
-        py::tuple imms(per_target.size());
-        for (size_t i = 0; i < per_target.size(); i++) imms[i] = py::int_(per_target[i]);
-        return push(*maker, id_obj, std::move(req), timeout_s, std::move(imms));
+        return fast_submit(timeout_s, [&](fast::FastPlanner& p, uint64_t id, py::object& imms) {
+            std::vector<int64_t> per_target;
+            auto req = p.scatter(id, src.ptr(), targets.ptr(), imm.ptr(), routing.ptr(), members.ptr(), rotation_,
+                                 per_target);
+            if (req) {
+                py::tuple t(per_target.size());
+                for (size_t i = 0; i < per_target.size(); i++) t[i] = py::int_(per_target[i]);
+                imms = std::move(t);
+            }
+            return req;
+        });
     }
 
     uint64_t fast_submitted() const { return fast_submitted_; }
@@ -497,7 +483,7 @@ class PyEngine {
             py::gil_scoped_release release;
             wedged_ = !engine_->close(join_timeout_s);
         }
-        // (a fast call under way holds its own: see push) The maker's prototype holds the
+        // (a fast call under way holds its own: see fast_submit) The maker's prototype holds the
         // Python engine's hooks, a reference cycle through this object.
         fast_.reset();
         maker_.reset();
@@ -564,23 +550,31 @@ class PyEngine {
         reg.mrs.clear();
     }
 
-    // The fast path's submit of a planned request (null: take the Python path): its Transfer
-    // is made and in the in-flight table before the engine has it, since a submit that posts
-    // inline releases the GIL, and the completion thread may then take the completion.
-    // ``imms``: the transfer's imms_per_target, else (the imms its one target counts,).
+    // The fast path's submit: ``plan(planner, id, imms)`` plans the request (null: take the
+    // Python path) and may set ``imms``, the transfer's imms_per_target (else it is (the imms
+    // its one target counts,)). The Transfer is made and in the in-flight table before the
+    // engine has the request, since a submit that posts inline releases the GIL, and the
+    // completion thread may then take the completion.
     // Python code can run inside a fast call (an attribute the planner reads, a finalizer
     // that an allocation's collection runs), and another thread with it: one that closes
     // this engine drops fast_ and maker_, which each call therefore holds for itself. An
     // engine that closed meanwhile gets nothing: the caller takes the Python path, which
     // raises EngineClosed.
-    py::object push(fast::TransferMaker& maker, const py::object& id, std::unique_ptr<Request> req, double timeout_s,
-                    py::object imms = py::object()) {
+    template <class Plan>
+    py::object fast_submit(double timeout_s, Plan&& plan) {
+        auto planner = fast_;
+        auto maker = maker_;
+        if (closed_ || !planner || !maker) return py::none();
+        uint64_t id;
+        py::object id_obj = maker->next_id(id);
+        py::object imms;
+        std::unique_ptr<Request> req = plan(*planner, id, imms);
         if (!req || closed_) return py::none();
         req->timeout_s = timeout_s;
         if (!imms) imms = py::make_tuple(req->has_imm ? static_cast<int64_t>(req->wrs()) : 0);
-        py::object transfer = maker.make(id, std::move(imms));
+        py::object transfer = maker->make(id_obj, std::move(imms));
         if (closed_) {
-            maker.forget(id);
+            maker->forget(id_obj);
             return py::none();
         }
         rotation_++;
