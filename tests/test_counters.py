@@ -551,3 +551,21 @@ def test_wait_latency_folds_every_sample_exactly_once_from_many_threads() -> Non
     assert list(w.buckets) == expected
     assert w.total_s == pytest.approx(threads * sum(ok))
     assert lat.snapshot() == w  # nothing left to fold
+
+
+def test_wait_latency_adds_tallies_kept_elsewhere_and_refuses_other_buckets() -> None:
+    # (a native table tallies the waits it settles in C++: fabric/counters.hpp WaitTally)
+    from fabric_core.stats import WAIT_BUCKETS_S, WaitLatency
+
+    waits = WaitLatency()
+    waits.record(2e-5, True)
+    waits.record(1.0, False)
+    kept = [0] * (len(WAIT_BUCKETS_S) + 1)
+    kept[0] = 3
+    waits.add_source(lambda: (3, 1.5e-5, kept))
+    with pytest.raises(ValueError, match="buckets"):
+        waits.add_source(lambda: (0, 0.0, [0, 0]))
+    w = waits.snapshot()
+    assert (w.satisfied, w.failed) == (4, 1)
+    assert w.total_s == pytest.approx(3.5e-5)
+    assert w.buckets[0] == 3 and w.buckets[1] == 1 and sum(w.buckets) == 4

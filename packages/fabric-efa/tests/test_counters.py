@@ -9,6 +9,7 @@ behind them, Ctrl-C in a wait, and waits on a live engine's worker.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import math
 import os
 import signal
@@ -25,6 +26,7 @@ from fabric_core import open_engine
 from fabric_core.counters import CounterTable, Expectation, NativeCounterTable
 from fabric_core.errors import ConfigError, EngineClosed, PeerUnreachable, TransferTimeout
 from fabric_core.models import DomainAddress
+from fabric_core.stats import WAIT_BUCKETS_S
 from fabric_efa import _efa
 
 PEERS = [DomainAddress(raw=b"peer-a"), DomainAddress(raw=b"peer-b")]
@@ -187,6 +189,60 @@ def test_a_satisfied_wait_takes_its_count_whatever_the_timeout_form(timeout: Any
     assert table.value(7) == 1
     w = table.waits.snapshot()
     assert w.satisfied == 1 and w.failed == 0 and sum(w.buckets) == 1
+
+
+def test_waits_satisfied_in_cpp_are_tallied_there_and_in_the_engine_stats() -> None:
+    # A satisfied wait ends in C++ with no Python after it: the table tallies it (WaitTally),
+    # and WaitLatency adds that tally to the waits that went through Python (a timeout here).
+    table = _native()
+    table.add(7, 5)
+    counter = table.counter(7, 5.0)
+    for _ in range(5):
+        counter.wait(1)
+    satisfied, total_s, buckets = table._native.wait_stats()
+    assert satisfied == 5 and sum(buckets) == 5 and len(buckets) == len(WAIT_BUCKETS_S) + 1
+    assert 0 < total_s < 5.0
+    with pytest.raises(TransferTimeout):
+        counter.wait(1, timeout=0.0)
+    w = table.waits.snapshot()
+    assert (w.satisfied, w.failed, sum(w.buckets)) == (5, 1, 5)
+    assert w.total_s == pytest.approx(total_s)
+    # a wait woken by another thread lands in a bucket by the time it blocked
+    _soon(lambda: table.add(7, 1), 0.05)
+    counter.wait(1)
+    after = table.waits.snapshot()
+    assert after.satisfied == 6 and sum(after.buckets[bisect.bisect_left(WAIT_BUCKETS_S, 0.04) :]) == 1
+
+
+def test_the_native_wait_checks_its_arguments_and_takes_nothing_on_refusal() -> None:
+    native = _efa.CounterTable()
+    native.add(7, 2, True)
+    for args, match in [
+        ((7, 1, b""), "takes 4 positional arguments"),
+        ((7, 1, "peer", 1.0), "peer must be bytes"),
+        ((-7, 1, b"", 1.0), "Unable to cast"),
+        ((7, 1, b"", "1.0"), "must be real number"),
+    ]:
+        with pytest.raises(TypeError, match=match):
+            native.wait(*args)
+    assert native.value(7) == 2
+    assert native.wait(7, 1, b"", 0.0) is None and native.value(7) == 1
+    code, seen, fired, exc, took = native.wait(7, 2, b"", 0.0)
+    assert (code, seen, fired, exc) == (2, 1, [], None) and took >= 0 and native.value(7) == 1
+
+
+def test_the_wait_buckets_are_set_once_and_bad_bounds_change_nothing() -> None:
+    native = _efa.CounterTable()
+    for bad in ([], [1e-3, 1e-4], [1e-6] * 33):
+        with pytest.raises(ValueError, match="ascending"):
+            native.configure_wait_buckets(bad)
+    native.configure_wait_buckets([1e-5, 1e-3])
+    native.configure_wait_buckets([1e-5, 1e-3])  # the same again: fine
+    with pytest.raises(ValueError, match="already set"):
+        native.configure_wait_buckets([1e-5, 1e-2])
+    native.add(7, 1, True)
+    assert native.wait(7, 1, b"", 1.0) is None
+    assert native.wait_stats()[0] == 1 and len(native.wait_stats()[2]) == 3
 
 
 def test_an_int_timeout_times_out_like_a_float_one() -> None:

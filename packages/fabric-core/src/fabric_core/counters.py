@@ -28,7 +28,7 @@ import numpy as np
 
 from .errors import ConfigError, EngineClosed, PeerUnreachable, TransferTimeout
 from .models import DomainAddress
-from .stats import WaitLatency
+from .stats import WAIT_BUCKETS_S, WaitLatency
 from .transfer import CallbackDispatcher
 
 if TYPE_CHECKING:
@@ -622,7 +622,6 @@ class TableCounter(ImmCounter):
 
 # --- the C++ table ---------------------------------------------------------------------------
 _OK, _QUEUED, _TIMEOUT, _PEER_LOST, _FAILED = range(5)  # fabric/counters.hpp CounterCode
-_monotonic = time.monotonic
 
 
 class NativeCounterTable(CounterTable):
@@ -636,6 +635,9 @@ class NativeCounterTable(CounterTable):
     def __init__(self, native: NativeTable, dispatcher: CallbackDispatcher | None = None) -> None:
         super().__init__(dispatcher)
         self._native = native
+        # blocking waits satisfied in C++ are tallied there, in WAIT_BUCKETS_S (NativeCounter.wait)
+        native.configure_wait_buckets(list(WAIT_BUCKETS_S))
+        self.waits.add_source(native.wait_stats)
         self._tokens = itertools.count(1)
         # queued token waiters and their imms (single dict operations are atomic)
         self._waiters: dict[int, tuple[_Waiter, int]] = {}
@@ -802,9 +804,10 @@ class NativeCounter(TableCounter):
     _table: NativeCounterTable
 
     def wait(self, n: int = 1, timeout: float | None = None, *, peer: DomainAddress | None = None) -> None:
-        # TableCounter.wait with its common case inline (a plain int count, a float or no
-        # timeout, satisfied with nothing fired): it is on the path of every imm round trip,
-        # where each layer of Python costs a fraction of a microsecond.
+        # TableCounter.wait with its common case in C++: the native wait (a METH_FASTCALL
+        # method) returns None once the counts are consumed, and tallies the wait's time
+        # itself. It is on the path of every imm round trip, where each layer of Python costs
+        # a fraction of a microsecond.
         if type(n) is not int or n < 1:
             n = _check_n(n)
         if timeout is None:
@@ -814,19 +817,16 @@ class NativeCounter(TableCounter):
         else:
             limit = check_wait_timeout(timeout) or 0.0
         table = self._table
-        start = _monotonic()
+        out = table._native.wait(self.imm, n, peer.raw if peer is not None else b"", limit)
+        if out is None:
+            return
+        code, seen, fired, interrupted, took = out
         try:
-            code, seen, fired, interrupted = table._native.wait(
-                self.imm, n, peer.raw if peer is not None else b"", limit
-            )
-            if code == _OK and not fired and interrupted is None:
-                table.waits.record(_monotonic() - start, True)
-                return
             self._settle(n, limit, peer, code, seen, fired, interrupted)
         except BaseException:
-            table.waits.record(_monotonic() - start, False)
+            table.waits.record(took, False)
             raise
-        table.waits.record(_monotonic() - start, True)
+        table.waits.record(took, True)
 
     def _settle(
         self,

@@ -2,7 +2,8 @@
 
 Every backend fills the same records. The native engines count in C++ (atomics the worker
 bumps, read without stopping it); the simulator counts in Python as its events run. Counter
-waits are timed in ``fabric_core.counters`` for every backend alike.
+waits are timed in ``fabric_core.counters`` for every backend alike, and a native counter
+table's blocking waits that end in C++ are tallied there (``WaitLatency.add_source``).
 """
 
 from __future__ import annotations
@@ -97,7 +98,10 @@ class WaitLatency:
     ``record`` is on every counter wait's path, so it only appends to a deque (atomic in
     CPython, no lock: about a tenth of the locked histogram update it replaced); the samples
     are folded into the histogram under the lock by ``snapshot``, and by ``record`` itself
-    every ``_FOLD_AT`` samples, so the deque stays bounded whether or not anyone reads."""
+    every ``_FOLD_AT`` samples, so the deque stays bounded whether or not anyone reads.
+
+    A native counter table tallies the blocking waits it settles alone in C++ (satisfied, no
+    Python on their path); ``add_source`` hands ``snapshot`` that tally to add in."""
 
     _FOLD_AT = 4096
 
@@ -108,6 +112,15 @@ class WaitLatency:
         self._failed = 0
         self._total = 0.0
         self._samples: collections.deque[float] = collections.deque()  # seconds; -1.0: failed
+        self._sources: list[Callable[[], tuple[int, float, list[int]]]] = []
+
+    def add_source(self, tally: Callable[[], tuple[int, float, list[int]]]) -> None:
+        """Waits tallied elsewhere: ``tally()`` returns (satisfied, total seconds, buckets) over
+        ``WAIT_BUCKETS_S``, cumulative; ``snapshot`` adds them to what ``record`` saw."""
+        buckets = tally()[2]
+        if len(buckets) != len(WAIT_BUCKETS_S) + 1:
+            raise ValueError(f"a wait tally needs {len(WAIT_BUCKETS_S) + 1} buckets, it has {len(buckets)}")
+        self._sources.append(tally)
 
     def record(self, seconds: float, ok: bool) -> None:
         samples = self._samples
@@ -130,7 +143,14 @@ class WaitLatency:
     def snapshot(self) -> WaitStats:
         self._fold()
         with self._lock:
-            return WaitStats(self._satisfied, self._failed, self._total, tuple(self._buckets))
+            satisfied, total, buckets = self._satisfied, self._total, list(self._buckets)
+            failed = self._failed
+        for tally in self._sources:
+            n, seconds, counts = tally()
+            satisfied += n
+            total += seconds
+            buckets = [a + b for a, b in zip(buckets, counts, strict=True)]
+        return WaitStats(satisfied, failed, total, tuple(buckets))
 
 
 class TrafficTally:

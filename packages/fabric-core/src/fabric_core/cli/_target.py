@@ -177,6 +177,7 @@ class RemoteTarget(Target):
         self._ack_mr = writer.register(self._ack_buf)
         self.hello = self._call({"op": "hello"})
         self._echo: int | None = None
+        self._echoes = writer.counter(ECHO_IMM)  # held, as a user holds the counters they wait on
 
     def _call(self, request: dict[str, Any]) -> dict[str, Any]:
         self._io.send(request)
@@ -224,7 +225,7 @@ class RemoteTarget(Target):
         if self._echo != imm:
             self._call({"op": "echo", "imm": imm, "n": transfer.imms_at_target, "back": ECHO_IMM})
             self._echo = imm
-        self.writer.counter(ECHO_IMM).wait(1, timeout)
+        self._echoes.wait(1, timeout)
         return transfer
 
     def end_ping(self, imm: int) -> None:

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -26,6 +27,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -42,6 +44,63 @@ enum CounterCode : int {
     kCountTimeout = 2,   // the deadline passed; nothing consumed
     kCountPeerLost = 3,  // the named peer is lost
     kCountFailed = 4,    // every waiter failed (the engine is closing)
+};
+
+// How long blocking waits took (fabric_core's ``EngineStats.counter_waits``): the waits that
+// the binding settles in C++ alone (satisfied, no token fired, no signal) are tallied here,
+// with no Python on their path; fabric_core's WaitLatency adds this tally to its own, which
+// holds the waits that went through Python. Lock-free: relaxed atomics, read as a snapshot.
+class WaitTally {
+  public:
+    static constexpr size_t kMaxBounds = 32;
+
+    // The buckets' upper bounds in seconds, ascending (fabric_core.stats.WAIT_BUCKETS_S). Set
+    // once, before the first record(); a wait of s seconds lands in the first bucket whose
+    // bound is >= s (Python's bisect_left), or past the last bound.
+    void set_bounds(const std::vector<double>& bounds) {
+        if (bounds.empty() || bounds.size() > kMaxBounds || !std::is_sorted(bounds.begin(), bounds.end()))
+            throw std::invalid_argument("wait buckets: 1 to 32 ascending bounds in seconds");
+        size_t have = nbounds_.load(std::memory_order_acquire);
+        if (have) {
+            if (std::equal(bounds.begin(), bounds.end(), bounds_.begin(), bounds_.begin() + have) &&
+                have == bounds.size())
+                return;
+            throw std::invalid_argument("wait buckets are already set, to other bounds");
+        }
+        std::copy(bounds.begin(), bounds.end(), bounds_.begin());
+        nbounds_.store(bounds.size(), std::memory_order_release);
+    }
+
+    void record(std::chrono::nanoseconds took) {
+        size_t nb = nbounds_.load(std::memory_order_acquire);
+        double s = std::chrono::duration<double>(took).count();
+        size_t bucket = static_cast<size_t>(std::lower_bound(bounds_.begin(), bounds_.begin() + nb, s) - bounds_.begin());
+        buckets_[bucket].fetch_add(1, std::memory_order_relaxed);
+        total_ns_.fetch_add(static_cast<uint64_t>(std::max<int64_t>(took.count(), 0)), std::memory_order_relaxed);
+        satisfied_.fetch_add(1, std::memory_order_relaxed);
+    }
+
+    struct View {
+        uint64_t satisfied = 0;
+        double total_s = 0;
+        std::vector<uint64_t> buckets;  // one per bound, and one past the last
+    };
+    View view() const {
+        View v;
+        size_t nb = nbounds_.load(std::memory_order_acquire);
+        v.buckets.resize(nb + 1);
+        for (size_t i = 0; i <= nb; i++) v.buckets[i] = buckets_[i].load(std::memory_order_relaxed);
+        v.total_s = static_cast<double>(total_ns_.load(std::memory_order_relaxed)) * 1e-9;
+        v.satisfied = satisfied_.load(std::memory_order_relaxed);
+        return v;
+    }
+
+  private:
+    std::array<double, kMaxBounds> bounds_{};
+    std::atomic<size_t> nbounds_{0};
+    std::array<std::atomic<uint64_t>, kMaxBounds + 1> buckets_{};
+    std::atomic<uint64_t> total_ns_{0};
+    std::atomic<uint64_t> satisfied_{0};
 };
 
 class CounterTable {
@@ -95,6 +154,8 @@ class CounterTable {
     }
     CounterTable(const CounterTable&) = delete;
     CounterTable& operator=(const CounterTable&) = delete;
+
+    WaitTally& waits() { return waits_; }
 
     // Counts n arrivals of imm for each (imm, n); tokens of the waiters this fires go to fired.
     // ``received`` says whether they count as arrivals (false: counts a cancelled waiter gives
@@ -494,6 +555,7 @@ class CounterTable {
     uint64_t received_ = 0;
     std::unordered_map<uint32_t, Slot> slots_;
     std::unordered_set<std::string> lost_;
+    WaitTally waits_;
 };
 
 }  // namespace fabric

@@ -37,6 +37,7 @@
 #include "engine.hpp"
 #include "pycounters.hpp"
 #include "pyfast.hpp"
+#include "pyfastcall.hpp"
 
 namespace fabric {
 
@@ -640,59 +641,30 @@ class PyEngine {
 };
 
 // fast_write and fast_imm, the calls on the path of every small transfer, as METH_FASTCALL
-// methods: pybind11's dispatcher costs about 0.15 us a call on the 2-core machine, a tenth of
-// a submit, and a plain CPython method a few tens of ns. Positional arguments only, as
-// NativeEngine passes them; the timeout last, a float.
+// methods (pyfastcall.hpp). Positional arguments only, as NativeEngine passes them; the
+// timeout last, a float.
 template <class Cls>
 struct FastCalls {
     static PyObject* write(PyObject* self, PyObject* const* a, Py_ssize_t n) {
-        return call(self, a, n, 8, "fast_write",
-                    [a](Cls& e, double t) { return e.fast_write(a[0], a[1], a[2], a[3], a[4], a[5], a[6], t); });
+        return fastcall::call<Cls>(self, a, n, 8, "fast_write", [a](Cls& e, double t) {
+            return e.fast_write(a[0], a[1], a[2], a[3], a[4], a[5], a[6], t);
+        });
     }
     static PyObject* imm(PyObject* self, PyObject* const* a, Py_ssize_t n) {
-        return call(self, a, n, 4, "fast_imm", [a](Cls& e, double t) { return e.fast_imm(a[0], a[1], a[2], t); });
+        return fastcall::call<Cls>(self, a, n, 4, "fast_imm",
+                                   [a](Cls& e, double t) { return e.fast_imm(a[0], a[1], a[2], t); });
     }
 
-    // Adds them to ``cls``: method descriptors, as a def() would (the instance comes as self).
     static void add(py::handle cls) {
         static PyMethodDef defs[] = {
-            {"fast_write", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&write)), METH_FASTCALL,
+            {"fast_write", fastcall::method(&write), METH_FASTCALL,
              "fast_write($self, src, src_offset, length, dst, dst_offset, imm, routing, timeout_s, /)\n--\n\n"
              "Plans and submits a plain write: its Transfer, or None for the Python path."},
-            {"fast_imm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&imm)), METH_FASTCALL,
+            {"fast_imm", fastcall::method(&imm), METH_FASTCALL,
              "fast_imm($self, dst, imm, routing, timeout_s, /)\n--\n\n"
              "Plans and submits a plain imm: its Transfer, or None for the Python path."},
         };
-        for (PyMethodDef& def : defs) {
-            auto descr = py::reinterpret_steal<py::object>(
-                PyDescr_NewMethod(reinterpret_cast<PyTypeObject*>(cls.ptr()), &def));
-            if (!descr) throw py::error_already_set();
-            py::setattr(cls, def.ml_name, descr);
-        }
-    }
-
-  private:
-    template <class F>
-    static PyObject* call(PyObject* self, PyObject* const* a, Py_ssize_t n, Py_ssize_t want, const char* name,
-                          F&& f) {
-        if (n != want) {
-            PyErr_Format(PyExc_TypeError, "%s() takes %zd positional arguments (%zd given)", name, want, n);
-            return nullptr;
-        }
-        double timeout_s = PyFloat_AsDouble(a[want - 1]);
-        if (timeout_s == -1.0 && PyErr_Occurred()) return nullptr;
-        try {
-            return f(py::cast<Cls&>(py::handle(self)), timeout_s).release().ptr();
-        } catch (py::error_already_set& err) {
-            err.restore();
-        } catch (const py::cast_error& err) {
-            PyErr_SetString(PyExc_TypeError, err.what());
-        } catch (const std::bad_alloc&) {
-            PyErr_NoMemory();
-        } catch (const std::exception& err) {
-            PyErr_SetString(PyExc_RuntimeError, err.what());
-        }
-        return nullptr;
+        fastcall::add(cls, defs);
     }
 };
 
