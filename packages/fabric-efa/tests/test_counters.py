@@ -231,6 +231,16 @@ def test_the_native_wait_checks_its_arguments_and_takes_nothing_on_refusal() -> 
     assert (code, seen, fired, exc) == (2, 1, [], None) and took >= 0 and native.value(7) == 1
 
 
+def test_a_timeout_of_centuries_waits_like_no_timeout() -> None:
+    # (a deadline that far out is no deadline: no steady-clock arithmetic overflows for it)
+    table = _native()
+    _soon(lambda: table.add(7, 1))
+    table.counter(7, 5.0).wait(1, timeout=1e300)
+    _soon(lambda: table.add(8, 2))
+    table.wait_all([(8, 2, None)], 1e300)
+    assert table.value(7) == 0 and table.value(8) == 0
+
+
 def test_the_wait_buckets_are_set_once_and_bad_bounds_change_nothing() -> None:
     native = _efa.CounterTable()
     for bad in ([], [1e-3, 1e-4], [1e-6] * 33):

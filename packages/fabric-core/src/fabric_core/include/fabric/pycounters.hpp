@@ -29,6 +29,16 @@ namespace fabric {
 
 namespace py = pybind11;
 
+// A wait's deadline, ``timeout_s`` seconds after ``start``. Past about 31 years (infinite
+// included) a timeout is as good as none: no deadline, and no clock arithmetic to overflow.
+inline std::chrono::steady_clock::time_point wait_deadline(std::chrono::steady_clock::time_point start,
+                                                           double timeout_s) {
+    constexpr double kForever = 1e9;
+    if (!(timeout_s < kForever)) return std::chrono::steady_clock::time_point::max();
+    return start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                       std::chrono::duration<double>(std::max(timeout_s, 0.0)));
+}
+
 // A blocking wait for n counts of imm (peer: b"" or the peer it depends on): None once the
 // counts are consumed (the wait's time tallied in t.waits()); otherwise (code, seen, fired,
 // exc, seconds): kCountTimeout with the count seen at the deadline, kCountPeerLost or
@@ -53,9 +63,7 @@ inline py::object wait_counts(CounterTable& t, uint32_t imm, uint64_t n, std::st
     };
     int code = t.enqueue(imm, w);
     if (code != kCountQueued) return out(code, 0);
-    auto deadline = std::isfinite(timeout_s) ? start + std::chrono::duration_cast<Clock::duration>(
-                                                           std::chrono::duration<double>(std::max(timeout_s, 0.0)))
-                                             : Clock::time_point::max();
+    auto deadline = wait_deadline(start, timeout_s);
     while (true) {
         auto now = Clock::now();
         auto slice_end = deadline - now > kSlice ? now + kSlice : deadline;
@@ -183,10 +191,7 @@ inline void bind_counter_table(py::module_& m) {
                         return out(kCountPeerLost, static_cast<int64_t>(i));
                     }
                 }
-                auto deadline = std::isfinite(timeout_s)
-                                    ? Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                                         std::chrono::duration<double>(std::max(timeout_s, 0.0)))
-                                    : Clock::time_point::max();
+                auto deadline = wait_deadline(Clock::now(), timeout_s);
                 int code = kCountQueued;
                 while (true) {
                     auto now = Clock::now();
