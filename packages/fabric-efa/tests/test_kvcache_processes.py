@@ -235,16 +235,22 @@ def test_a_prefill_process_killed_mid_request_fails_only_its_request_and_returns
     requests may instead end in typed transport errors at both ends, within the test's
     bounded waits, or in ``EngineWedged`` where an engine's progress stays stuck in the
     provider for its liveness timeout; the dead prefill's request must still fail typed. On
-    1.17 a writer killed holding the decoder's queue lock leaves the decoder's progress
-    spinning on it: there the dead prefill's request may end in ``EngineWedged`` (met once, in
-    a CI run), and nothing else is accepted."""
+    1.17 a writer killed holding the decoder's queue lock leaves whoever next takes that lock
+    spinning on it, inside the provider: the decoder's progress (the dead prefill's request
+    then ends in ``EngineWedged``, met in CI runs) or the surviving prefill's post (its engine
+    closes itself with ``EngineWedged`` while the dead prefill's request fails with
+    ``PeerUnreachable``, met in a full local run on 2026-12-05). There a stall is accepted only
+    where some engine reports ``EngineWedged``, every failure typed."""
     results = _run(dying=dying)
     assert results[1] == (None, 3)  # prefill 0 died as planned
     problems, fired, completed, failed, pages_used, doomed, decoder_typed = results[0]
     survivor_problems, *_rest, survivor_typed = results[2]
     stalled = problems or survivor_problems or doomed.get("error") != "PeerUnreachable"
     v2 = _libfabric_major() >= 2
-    if dying == "inside_a_post" and stalled and (v2 or doomed.get("error") == "EngineWedged"):
+    wedged = doomed.get("error") == "EngineWedged" or any(
+        ": EngineWedged: " in p for p in problems + survivor_problems
+    )
+    if dying == "inside_a_post" and stalled and (v2 or wedged):
         # The stalled queue (or the target's lock, held by the dead writer: then the decoder's
         # engine makes no progress, and closes itself after its liveness timeout:
         # EngineWedged): every failure typed within the bounded waits, none a wrong byte or leak.
