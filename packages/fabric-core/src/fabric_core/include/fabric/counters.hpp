@@ -62,9 +62,7 @@ class WaitTally {
             throw std::invalid_argument("wait buckets: 1 to 32 ascending bounds in seconds");
         size_t have = nbounds_.load(std::memory_order_acquire);
         if (have) {
-            if (std::equal(bounds.begin(), bounds.end(), bounds_.begin(), bounds_.begin() + have) &&
-                have == bounds.size())
-                return;
+            if (std::equal(bounds.begin(), bounds.end(), bounds_.begin(), bounds_.begin() + have)) return;
             throw std::invalid_argument("wait buckets are already set, to other bounds");
         }
         std::copy(bounds.begin(), bounds.end(), bounds_.begin());

@@ -6,7 +6,7 @@
 // 100 ms to let Python handle signals (Ctrl-C withdraws the waiter and raises). It is a
 // METH_FASTCALL method (pyfastcall.hpp) and a satisfied wait returns None, its time tallied in
 // C++ (WaitTally): on an imm round trip, one wait on each side, this took a satisfied wait
-// from about 0.85 to 0.35 us of the calling thread on the 2-core machine. Token waiters
+// from about 0.85 to 0.3 us of the calling thread on the 2-core machine. Token waiters
 // (asyncio waits, expect callbacks) are fired by the worker, which hands their tokens to the
 // binding's completion thread.
 #pragma once
@@ -45,7 +45,7 @@ inline std::chrono::steady_clock::time_point wait_deadline(std::chrono::steady_c
 // kCountFailed, the tokens that withdrawing it fired, the exception a signal handler raised
 // (Ctrl-C: the waiter left the queue first), and how long it took, for Python to settle and
 // tally. A satisfied wait returns its tuple only if it fired tokens or met an exception.
-inline py::object wait_counts(CounterTable& t, uint32_t imm, uint64_t n, std::string peer, double timeout_s) {
+inline py::object wait_one(CounterTable& t, uint32_t imm, uint64_t n, std::string peer, double timeout_s) {
     using Clock = std::chrono::steady_clock;
     constexpr auto kSlice = std::chrono::milliseconds(100);
     auto start = Clock::now();
@@ -94,8 +94,8 @@ struct CounterFastCalls {
         return fastcall::call<CounterTable>(self, a, n, 4, "wait", [a](CounterTable& t, double timeout_s) {
             if (!PyBytes_Check(a[2])) throw py::type_error("wait(): peer must be bytes");
             std::string peer(PyBytes_AS_STRING(a[2]), static_cast<size_t>(PyBytes_GET_SIZE(a[2])));
-            return wait_counts(t, py::cast<uint32_t>(py::handle(a[0])), py::cast<uint64_t>(py::handle(a[1])),
-                               std::move(peer), timeout_s);
+            return wait_one(t, py::cast<uint32_t>(py::handle(a[0])), py::cast<uint64_t>(py::handle(a[1])),
+                            std::move(peer), timeout_s);
         });
     }
 
