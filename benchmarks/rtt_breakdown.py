@@ -5,14 +5,15 @@ its counter and writes one back: the latency phase of ``fabric bench`` with a se
 the public API only. Each side stamps ``time.perf_counter_ns()`` (CLOCK_MONOTONIC on Linux:
 one clock for both processes) around its calls, so each round trip splits into:
 
-- ``client_submit``: the client's ``submit_imm`` call;
+- ``client_submit``: the client's ``submit_imm`` call (``submit_write`` of ``--size`` bytes with
+  the imm when ``--size`` is given: ``fabric bench``'s first leg);
 - ``forward``: from that call's return to the server's ``wait`` returning (the provider, the
   server's engine counting the imm, its waiter waking and coming back to Python);
 - ``server_submit``: the server's ``submit_imm`` call;
 - ``back``: from that call's return to the client's ``wait`` returning;
 - ``total``: the round trip as ``fabric bench`` times it.
 
-    python benchmarks/rtt_breakdown.py --provider shm --iters 20000 [--json FILE]
+    python benchmarks/rtt_breakdown.py --provider shm --iters 20000 [--size 8] [--json FILE]
 
 Prints the median and 90th percentile of each part (after ``--warmup`` round trips).
 """
@@ -71,6 +72,7 @@ def main() -> None:
     ap.add_argument("--provider", default="shm", help="libfabric provider (shm, tcp;ofi_rxm)")
     ap.add_argument("--iters", type=int, default=20000)
     ap.add_argument("--warmup", type=int, default=2000)
+    ap.add_argument("--size", type=int, default=0, help="bytes written with the client's imm")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.provider.startswith("tcp"):
@@ -84,14 +86,21 @@ def main() -> None:
     engine = _engine(args.provider)
     buf = np.zeros(4096, dtype=np.uint8)
     target = MemoryRegionDescriptor.from_bytes(here.recv())
-    here.send(engine.register(buf).descriptor.to_bytes())
+    region = engine.register(buf)
+    here.send(region.descriptor.to_bytes())
     counter, now = engine.counter(PONG), time.perf_counter_ns
+    size = args.size
+    if not 0 <= size <= buf.nbytes:
+        ap.error(f"--size must be within 0..{buf.nbytes}")
     start = np.zeros(args.iters, dtype=np.int64)
     posted = np.zeros(args.iters, dtype=np.int64)
     back = np.zeros(args.iters, dtype=np.int64)
     for i in range(args.iters):
         start[i] = now()
-        transfer = engine.submit_imm(target, PING)
+        if size:
+            transfer = engine.submit_write(region, 0, size, target, 0, imm=PING)
+        else:
+            transfer = engine.submit_imm(target, PING)
         posted[i] = now()
         counter.wait(1, 30.0)
         back[i] = now()
@@ -118,6 +127,7 @@ def main() -> None:
         doc = {
             "what": "an imm round trip split by timestamps on one clock (benchmarks/rtt_breakdown.py)",
             "provider": args.provider,
+            "size": size,
             "iters": args.iters,
             "warmup": args.warmup,
             "host": platform.node(),

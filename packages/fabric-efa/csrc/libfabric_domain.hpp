@@ -16,6 +16,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -119,6 +120,7 @@ struct ProviderInfo {
     uint64_t max_tx = 0;
     bool hmem = false;
     bool markers = false;  // small writes confirmed by delivery markers (LibfabricDomain: markers_)
+    bool strict_mr = false;  // local registration checked at every post (LibfabricDomain: strict_mr_)
 };
 
 // shm's regions are files in /dev/shm named after their process: "<pid>:<uid>:<n>", or
@@ -146,9 +148,11 @@ class LibfabricDomain {
     // ``source``: the local address to bind to (see getinfo), or empty.
     // ``hmem``: ask for FI_HMEM (CUDA memory), where the provider has it. ``markers``: delivery
     // markers where the provider allows (the end of the constructor); off, every write with
-    // bytes goes delivery complete.
+    // bytes goes delivery complete. ``strict_mr``: local registration as the efa provider
+    // wants it, checked (a test mode: "Strict local registration" below).
     LibfabricDomain(const std::string& provider, int index, size_t cq_size, const std::string& source = std::string(),
-                    bool hmem = false, bool markers = true) {
+                    bool hmem = false, bool markers = true, bool strict_mr = false)
+        : strict_mr_(strict_mr) {
         fi_info* hints = fi_allocinfo();
         if (!hints) throw std::bad_alloc();
         hints->ep_attr->type = FI_EP_RDM;
@@ -268,6 +272,9 @@ class LibfabricDomain {
                 markers_ = false;  // every write delivery complete, as without markers
             }
         }
+        // the local buffer a zero-length write names (post_write), registered where the
+        // provider wants every buffer registered
+        if (local_mr()) zero_desc_ = local_desc(zero_src_, sizeof(zero_src_));
     }
 
     ~LibfabricDomain() { close(); }
@@ -286,6 +293,7 @@ class LibfabricDomain {
         p.max_tx = info_->tx_attr->size;
         p.hmem = (info_->caps & FI_HMEM) != 0;
         p.markers = markers_;
+        p.strict_mr = strict_mr_;
         return p;
     }
 
@@ -319,7 +327,10 @@ class LibfabricDomain {
     // out of the writer's memory with CMA), so an idle target worker lingers after work
     // (Engine::run). tcp's kernel and EFA's device move them without the target's polls.
     bool target_copies() const { return shm_; }
-    bool local_mr() const { return (info_->domain_attr->mr_mode & FI_MR_LOCAL) != 0; }
+    // Whether every local buffer handed to the provider must be registered on this domain and
+    // passed with its descriptor (FI_MR_LOCAL: the efa provider; or strict_mr).
+    bool local_mr() const { return strict_mr_ || (info_->domain_attr->mr_mode & FI_MR_LOCAL) != 0; }
+    bool strict_mr() const { return strict_mr_; }
 
     uint64_t insert_peer(const std::string& address) {
         // Providers read their own address length from the buffer, whatever the caller holds:
@@ -386,6 +397,7 @@ class LibfabricDomain {
         }
         key = fi_mr_key(mr);
         desc = fi_mr_desc(mr);
+        if (strict_mr_) desc = strict_record(mr, ptr, len, desc);
         if (table_) table_->add(key, virt_addr() ? reinterpret_cast<uint64_t>(ptr) : 0, len, remote_write);
         return mr;
     }
@@ -394,6 +406,7 @@ class LibfabricDomain {
     // (region_table::Owner::revoke), so that no write reaches the closed registration.
     void deregister_memory(fid_mr* mr) {
         if (table_) table_->revoke(fi_mr_key(mr));
+        if (strict_mr_) strict_forget(mr);
         fi_close(&mr->fid);
     }
 
@@ -405,7 +418,53 @@ class LibfabricDomain {
         int rc = fi_mr_reg(domain_, buf, len, FI_SEND | FI_RECV | FI_WRITE | FI_READ, 0, key, 0, &mr, nullptr);
         if (rc != 0) throw LibfabricError("fi_mr_reg(control buffers)", rc);
         local_mrs_.push_back(mr);
-        return fi_mr_desc(mr);
+        void* desc = fi_mr_desc(mr);
+        return strict_mr_ ? strict_record(mr, buf, len, desc) : desc;
+    }
+
+    // --- Strict local registration (a test mode: FABRIC_EFA_STRICT_MR) ------------------
+    // The efa provider wants every local buffer it is handed registered on its own domain and
+    // the registration's descriptor passed with it (FI_MR_LOCAL). shm and tcp want neither
+    // and ignore the descriptors they get, so one left out, or taken from another endpoint's
+    // registration, goes unnoticed on them and fails only on EFA. Strict, this domain takes
+    // FI_MR_LOCAL's path whatever its provider says (local_mr()), and the descriptors it hands
+    // out are its own records of each registration: its range, and whether it is still
+    // registered. Every post looks its descriptor up among this domain's records, checks that
+    // the registration covers the buffer, and passes the provider's descriptor on. A post
+    // that fails the check aborts the process with the reason on stderr, as a sanitizer
+    // does: its caller has a bug that only EFA would have shown.
+    struct StrictMr {
+        uintptr_t lo = 0, hi = 0;
+        void* desc = nullptr;  // the provider's
+        bool live = true;
+    };
+
+    // Why [buf, buf + len) with ``desc`` would break FI_MR_LOCAL ("" where it would not, and
+    // ``desc`` is then the provider's descriptor). Not strict: "" and ``desc`` as it was.
+    std::string strict_problem(const void* buf, size_t len, void*& desc) const {
+        if (!strict_mr_) return std::string();
+        if (desc == nullptr) return "no descriptor";
+        std::lock_guard<std::mutex> lock(strict_mu_);
+        auto it = strict_records_.find(desc);
+        if (it == strict_records_.end()) return "a descriptor that is no registration of this endpoint";
+        const StrictMr& r = *it->second;
+        if (!r.live) return "the descriptor of a registration closed since";
+        const uintptr_t lo = reinterpret_cast<uintptr_t>(buf);
+        if (lo < r.lo || lo > r.hi || len > r.hi - lo) return "a buffer its descriptor's registration does not cover";
+        desc = r.desc;
+        return std::string();
+    }
+
+    // (strict_mr) Swaps ``desc`` for the provider's, or aborts with why ``what`` breaks
+    // FI_MR_LOCAL.
+    void strict_check(const void* buf, size_t len, void*& desc, const char* what) const {
+        if (!strict_mr_) return;
+        std::string why = strict_problem(buf, len, desc);
+        if (why.empty()) return;
+        std::fprintf(stderr, "fabric-efa (strict_mr): %s of %zu bytes at %p on endpoint %u names %s\n", what, len,
+                     buf, index_, why.c_str());
+        std::fflush(stderr);
+        std::abort();
     }
 
     int post_write(const WriteOp& w, void* ctx) {
@@ -432,12 +491,14 @@ class LibfabricDomain {
             }
         }
         // A zero-length write (imm only) still names a valid local buffer and remote range:
-        // some providers dereference them.
-        static char zero_len_source[8];
-        void* src = w.len == 0 ? zero_len_source : const_cast<void*>(w.src);
+        // some providers dereference them. The buffer is this endpoint's own, registered where
+        // the provider wants every buffer registered (a make-up imm after a lost NIC has its
+        // request's source registration, which does not cover it).
+        void* src = w.len == 0 ? static_cast<void*>(zero_src_) : const_cast<void*>(w.src);
+        void* desc = w.len == 0 ? zero_desc_ : w.desc;
+        strict_check(src, static_cast<size_t>(w.len), desc, "a write");
         iovec iov{src, static_cast<size_t>(w.len)};
         fi_rma_iov rma{w.raddr, static_cast<size_t>(w.len), w.rkey};
-        void* desc = w.desc;
         fi_msg_rma msg{};
         msg.msg_iov = &iov;
         msg.desc = &desc;
@@ -484,6 +545,7 @@ class LibfabricDomain {
     ssize_t send_msg(const void* buf, size_t len, void* desc, uint64_t peer, void* ctx, uint64_t flags) {
         iovec iov{const_cast<void*>(buf), len};
         void* d = desc;
+        strict_check(buf, len, d, "a send");
         fi_msg msg{};
         msg.msg_iov = &iov;
         msg.desc = &d;
@@ -494,6 +556,7 @@ class LibfabricDomain {
     }
 
     int post_recv(void* buf, size_t len, void* desc, void* ctx) {
+        strict_check(buf, len, desc, "a receive");
         ssize_t rc;
         do {
             rc = fi_recv(ep_, buf, len, desc, FI_ADDR_UNSPEC, ctx);
@@ -684,6 +747,29 @@ class LibfabricDomain {
         held_.pop_back();
     }
 
+    // (strict_mr) Records the registration ``mr`` of [ptr, ptr + len); its record is the
+    // descriptor handed out. Records stay until the domain closes, so that a descriptor of a
+    // closed registration is still told apart.
+    void* strict_record(fid_mr* mr, const void* ptr, size_t len, void* desc) {
+        auto r = std::make_unique<StrictMr>();
+        r->lo = reinterpret_cast<uintptr_t>(ptr);
+        r->hi = r->lo + len;
+        r->desc = desc;
+        StrictMr* raw = r.get();
+        std::lock_guard<std::mutex> lock(strict_mu_);
+        strict_records_.emplace(raw, std::move(r));
+        strict_by_mr_[mr] = raw;
+        return raw;
+    }
+
+    void strict_forget(fid_mr* mr) {
+        std::lock_guard<std::mutex> lock(strict_mu_);
+        auto it = strict_by_mr_.find(mr);
+        if (it == strict_by_mr_.end()) return;
+        it->second->live = false;
+        strict_by_mr_.erase(it);
+    }
+
     void close() {
         if (ep_) fi_close(&ep_->fid);
         for (OpCtx* op : held_) {  // never to be reported
@@ -748,6 +834,15 @@ class LibfabricDomain {
     std::unordered_set<void*> marker_ctxs_;  // the markers in flight (their contexts)
     char marker_frame_[2] = {kFrameDeliveryMarker, 0};
     void* marker_desc_ = nullptr;  // its registration where the provider wants one (FI_MR_LOCAL)
+    // what a zero-length write names (post_write), and its registration where wanted
+    char zero_src_[8] = {};
+    void* zero_desc_ = nullptr;
+    // strict_mr: the records handed out as descriptors (by record, and the live ones by
+    // registration); taken by registering threads and by whoever posts
+    bool strict_mr_ = false;
+    mutable std::mutex strict_mu_;
+    std::unordered_map<const void*, std::unique_ptr<StrictMr>> strict_records_;
+    std::unordered_map<fid_mr*, StrictMr*> strict_by_mr_;
 };
 
 }  // namespace fabric::efa

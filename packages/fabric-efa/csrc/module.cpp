@@ -33,8 +33,10 @@ namespace {
 class EfaEngine : public fabric::PyEngine<Domain> {
   public:
     EfaEngine(const std::string& provider, int nics, std::optional<uint64_t> chaos_seed, int cpu, size_t recv_depth,
-              size_t max_send, const std::vector<std::string>& sources, bool hmem, int ipc_device, bool markers)
-        : PyEngine(open(provider, nics, sources, hmem, ipc_device, markers), chaos_seed, cpu, recv_depth, max_send),
+              size_t max_send, const std::vector<std::string>& sources, bool hmem, int ipc_device, bool markers,
+              bool strict_mr)
+        : PyEngine(open(provider, nics, sources, hmem, ipc_device, markers, strict_mr), chaos_seed, cpu, recv_depth,
+                   max_send),
           info_(engine().nic(0).info()),
           cuda_ipc_(engine().nic(0).cuda_ipc()),
           kernel_off_(engine().nic(0).copy_kernel_off()),
@@ -54,6 +56,8 @@ class EfaEngine : public fabric::PyEngine<Domain> {
         // whether NIC 0 confirms small writes that go with others by delivery markers (shm)
         // instead of asking each for delivery complete (libfabric_domain.hpp)
         d["delivery_markers"] = info_.markers;
+        // local registration as the efa provider wants it, checked at every post (a test mode)
+        d["strict_mr"] = info_.strict_mr;
         d["cuda_ipc"] = cuda_ipc_;
         // why small CUDA IPC copies are not batched into kernel launches, or why imms take the
         // provider rather than the inbox ("" where they are, or where there is no CUDA IPC)
@@ -72,15 +76,16 @@ class EfaEngine : public fabric::PyEngine<Domain> {
     // ``sources``: empty, or the local address each NIC binds to. ``hmem``: ask for FI_HMEM
     // (there is a GPU whose memory to register). ``ipc_device``: >= 0: carry CUDA memory over
     // CUDA IPC, with that device's primary context (fabric/cuda_ipc.hpp). ``markers``: delivery
-    // markers where the provider allows (LibfabricDomain).
+    // markers where the provider allows. ``strict_mr``: FI_MR_LOCAL's registrations, checked
+    // (LibfabricDomain).
     static std::vector<std::unique_ptr<Domain>> open(const std::string& provider, int nics,
                                                      const std::vector<std::string>& sources, bool hmem,
-                                                     int ipc_device, bool markers) {
+                                                     int ipc_device, bool markers, bool strict_mr) {
         std::vector<std::unique_ptr<Domain>> domains;
         for (int i = 0; i < nics; i++)
             domains.push_back(std::make_unique<Domain>(ipc_device, provider, i, 4096,
                                                        size_t(i) < sources.size() ? sources[size_t(i)] : std::string(),
-                                                       hmem, markers));
+                                                       hmem, markers, strict_mr));
         return domains;
     }
 
@@ -105,6 +110,40 @@ std::optional<std::string> probe(const std::string& provider) {
     return std::nullopt;
 }
 
+// What strict local registration (LibfabricDomain::strict_problem) says of five buffers: one
+// inside a registration of the endpoint, with its descriptor; none; another endpoint's
+// registration; one past the end of its registration; a registration closed since. Two
+// endpoints on ``provider``, each with a 64-byte buffer registered ("" where nothing is wrong).
+// ``then_abort``: then a send without a descriptor, as a post would check it: the process
+// aborts with the reason on stderr.
+std::vector<std::string> strict_mr_selftest(const std::string& provider, bool then_abort) {
+    LibfabricDomain a(provider, 0, 64, std::string(), false, false, true);
+    LibfabricDomain b(provider, 1, 64, std::string(), false, false, true);
+    alignas(64) static char buf_a[64], buf_b[64];
+    uint64_t key = 0;
+    void *desc_a = nullptr, *desc_b = nullptr;
+    fid_mr* mr_a = a.register_memory(buf_a, sizeof(buf_a), 1, true, key, desc_a);
+    fid_mr* mr_b = b.register_memory(buf_b, sizeof(buf_b), 2, true, key, desc_b);
+    std::vector<std::string> out;
+    void* d = desc_a;
+    out.push_back(a.strict_problem(buf_a + 8, 56, d));
+    d = nullptr;
+    out.push_back(a.strict_problem(buf_a, 8, d));
+    d = desc_b;
+    out.push_back(a.strict_problem(buf_b, 8, d));
+    d = desc_a;
+    out.push_back(a.strict_problem(buf_a + 8, 57, d));
+    a.deregister_memory(mr_a);
+    d = desc_a;
+    out.push_back(a.strict_problem(buf_a, 8, d));
+    b.deregister_memory(mr_b);
+    if (then_abort) {
+        d = nullptr;
+        a.strict_check(buf_a, 8, d, "a send");
+    }
+    return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_efa, m) {
@@ -113,6 +152,13 @@ PYBIND11_MODULE(_efa, m) {
     static py::exception<fabric::cuda_ipc::IpcError> ipc_error(m, "CudaIpcError", PyExc_RuntimeError);
     fabric::bind_counter_table(m);
     m.def("probe", &probe, py::arg("provider"));
+    m.def(
+        "_strict_mr_selftest",
+        [](const std::string& provider, bool then_abort) {
+            py::gil_scoped_release release;
+            return strict_mr_selftest(provider, then_abort);
+        },
+        py::arg("provider"), py::arg("then_abort") = false);
     m.def("close_address", [](py::bytes a) { fabric::fast::ClosedSet::instance().add(a); }, py::arg("address"));
     m.def("reopen_address", [](py::bytes a) { fabric::fast::ClosedSet::instance().remove(a); }, py::arg("address"));
     m.def("is_closed", [](py::bytes a) { return fabric::fast::ClosedSet::instance().contains(a); }, py::arg("address"));
@@ -132,10 +178,10 @@ PYBIND11_MODULE(_efa, m) {
     py::class_<EfaEngine> engine(m, "Engine", py::module_local());
     engine
         .def(py::init<const std::string&, int, std::optional<uint64_t>, int, size_t, size_t,
-                      const std::vector<std::string>&, bool, int, bool>(),
+                      const std::vector<std::string>&, bool, int, bool, bool>(),
              py::arg("provider"), py::arg("nics"), py::arg("chaos_seed"), py::arg("cpu"), py::arg("recv_depth"),
              py::arg("max_send"), py::arg("sources") = std::vector<std::string>(), py::arg("hmem") = false,
-             py::arg("ipc_device") = -1, py::arg("markers") = true)
+             py::arg("ipc_device") = -1, py::arg("markers") = true, py::arg("strict_mr") = false)
         .def("provider_info", &EfaEngine::provider_info)
         .def("inject_nic_failure", &EfaEngine::inject_nic_failure, py::arg("nic"), py::arg("failed"),
              py::arg("seed") = 0);

@@ -4,7 +4,12 @@ providers, with chaos mode (shuffled posting and completion order) on every seed
 ``2proc``: every engine of a test lives in its own worker process (``RemoteHarness``), so each
 byte crosses from one process's endpoint to another's, as between two hosts. ``inproc``: the
 engines share this process, which also exercises the guard against writing to an endpoint
-closed in the same process.
+closed in the same process (and the NIC faults, which only this harness injects).
+
+Half of the four keep the efa provider's local-registration rules, checked at every post
+(``efa_strict_mr``): shm between processes and tcp in one process, so that each provider and
+each harness runs both with and without them. shm and tcp ignore descriptors, so a missing or
+wrong one would otherwise show only on EFA.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ os.environ.setdefault("FI_TCP_IFACE", "lo")  # never the first interface: loopba
 PROVIDERS = {"shm": "shm", "tcp": "tcp;ofi_rxm"}
 LIVENESS = {"liveness_interval_s": 0.2, "liveness_timeout_s": 2.0}
 MAX_NICS = 4
+STRICT_MR = ("shm-2proc", "tcp-inproc")  # (the module's docstring)
 
 
 class EfaHarness(Harness):
@@ -33,9 +39,9 @@ class EfaHarness(Harness):
     max_nics = MAX_NICS
     supports_nic_faults = True  # injected into the endpoint (LibfabricDomain::inject_failure)
 
-    def __init__(self, provider: str, chaos_seed: int | None) -> None:
+    def __init__(self, provider: str, chaos_seed: int | None, strict_mr: bool = False) -> None:
         super().__init__()
-        self.provider, self.chaos_seed = provider, chaos_seed
+        self.provider, self.chaos_seed, self.strict_mr = provider, chaos_seed, strict_mr
         # shm addresses name their process, so the engine knows an endpoint closed here; a
         # tcp address is a port that any process may bind next, and tcp says nothing
         self.detects_closed_peers = provider == "shm"
@@ -54,6 +60,7 @@ class EfaHarness(Harness):
             nics=nics,
             chaos_seed=self.chaos_seed,
             timeout_s=20,
+            efa_strict_mr=self.strict_mr,
             **config,
         )
         return EfaEngine(settings)
@@ -84,6 +91,7 @@ def fabric_harness(request: pytest.FixtureRequest, fabric_seed: int) -> Iterator
 
     name, mode = request.param.split("-")
     provider = PROVIDERS[name]
+    strict_mr = request.param in STRICT_MR
     probe = EfaBackend.probe(load_settings(efa_provider=provider))
     if not probe.available:
         pytest.skip(probe.reason)
@@ -96,6 +104,7 @@ def fabric_harness(request: pytest.FixtureRequest, fabric_seed: int) -> Iterator
                 "efa_provider": provider,
                 "chaos_seed": fabric_seed,
                 "timeout_s": 20,
+                "efa_strict_mr": strict_mr,
                 **LIVENESS,
             },
             max_nics=MAX_NICS,
@@ -110,7 +119,7 @@ def fabric_harness(request: pytest.FixtureRequest, fabric_seed: int) -> Iterator
             supports_stall=name == "tcp",
         )
     else:
-        harness = EfaHarness(provider, chaos_seed=fabric_seed)
+        harness = EfaHarness(provider, chaos_seed=fabric_seed, strict_mr=strict_mr)
     yield harness
     harness.close()
 

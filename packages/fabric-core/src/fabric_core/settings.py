@@ -105,6 +105,15 @@ class FabricSettings(BaseSettings):
         "order) instead of asking each for delivery complete, which shm sends one at a time "
         "per peer. Off: every write delivery complete.",
     )
+    efa_strict_mr: bool = Field(
+        False,
+        description="A test mode: register every local buffer handed to the provider and pass "
+        "its descriptor, as the efa provider wants (FI_MR_LOCAL), whatever the provider says, "
+        "and check each post's descriptor against the endpoint's own registrations. A post "
+        "that names no registration, another endpoint's, a closed one or one that does not "
+        "cover its buffer aborts the process with the reason on stderr. Runs efa's "
+        "registration rules on shm and tcp;ofi_rxm, which ignore descriptors.",
+    )
     worker_cpu: int | None = Field(
         None, description="Pin the engine's worker thread to this CPU (compiled backends)."
     )

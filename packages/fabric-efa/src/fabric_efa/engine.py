@@ -91,6 +91,8 @@ def _details(info: dict[str, Any]) -> dict[str, str | int | bool]:
         # small writes of multi-write requests confirmed by delivery markers (shm), instead of
         # each asking for delivery complete (docs/backends/efa.md)
         "delivery_markers": bool(info["delivery_markers"]),
+        # local registration as the efa provider wants it, checked at every post (a test mode)
+        "strict_mr": bool(info["strict_mr"]),
     }
 
 
@@ -138,6 +140,7 @@ class EfaEngine(NativeEngine):
                 cuda.available() and not ipc,  # FI_HMEM only where there is GPU memory to register
                 cuda.current_device() if ipc else -1,
                 settings.efa_delivery_markers,
+                settings.efa_strict_mr,
             )
         except RuntimeError as exc:
             raise BackendUnavailable(
