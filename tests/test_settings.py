@@ -37,6 +37,8 @@ def test_defaults() -> None:
         "log_level": "WARNING",
         "efa_provider": "efa",
         "efa_nic_addrs": None,
+        "efa_domains": None,
+        "efa_topology": None,
         "efa_cuda_ipc": True,
         "efa_delivery_markers": True,
         "efa_strict_mr": False,
@@ -66,6 +68,13 @@ def test_every_field_has_a_description() -> None:
         ("FABRIC_EFA_CUDA_IPC", "false", "efa_cuda_ipc", False),
         ("FABRIC_EFA_DELIVERY_MARKERS", "0", "efa_delivery_markers", False),
         ("FABRIC_EFA_STRICT_MR", "1", "efa_strict_mr", True),
+        (
+            "FABRIC_EFA_DOMAINS",
+            "rdmap16s27-rdm,rdmap32s27-rdm",
+            "efa_domains",
+            "rdmap16s27-rdm,rdmap32s27-rdm",
+        ),  # noqa: E501
+        ("FABRIC_EFA_TOPOLOGY", "cuda:0=rdmap16s27-rdm", "efa_topology", "cuda:0=rdmap16s27-rdm"),
         ("FABRIC_EFA_PROVIDER", "tcp;ofi_rxm", "efa_provider", "tcp;ofi_rxm"),
         ("FABRIC_WORKER_CPU", "1", "worker_cpu", 1),
         ("FABRIC_SIM_SEED", "99", "sim_seed", 99),

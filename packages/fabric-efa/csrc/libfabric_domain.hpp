@@ -12,6 +12,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdint>
@@ -79,6 +80,66 @@ inline int getinfo(fi_info* hints, fi_info** out, const std::string& source = st
     SignalGuard guard;
     if (!source.empty()) return fi_getinfo(FI_VERSION(1, 17), source.c_str(), nullptr, FI_SOURCE, hints, out);
     return fi_getinfo(FI_VERSION(1, 17), nullptr, nullptr, 0, hints, out);
+}
+
+// The hints every endpoint starts from, and the probe and list_domains use: an RDM endpoint with
+// RMA writes and messages on ``provider``, in any of the registration modes this backend
+// handles. The caller frees them (fi_freeinfo).
+inline fi_info* rdm_hints(const std::string& provider) {
+    fi_info* hints = fi_allocinfo();
+    if (!hints) throw std::bad_alloc();
+    hints->ep_attr->type = FI_EP_RDM;
+    hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_MSG;
+    hints->mode = FI_CONTEXT | FI_CONTEXT2;
+    hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
+    hints->fabric_attr->prov_name = strdup(provider.c_str());
+    return hints;
+}
+
+// One domain (NIC) a provider offers, as fi_getinfo lists it: its name, its fabric, and where
+// the provider says so (real NICs: efa, verbs), the PCI function, device name and link speed.
+struct DomainEntry {
+    std::string name;
+    std::string fabric;
+    std::string pci;     // "dddd:bb:dd.f", or "" (shm, tcp: no NIC attributes)
+    std::string device;  // the NIC's device name, or ""
+    uint64_t speed_bps = 0;
+};
+
+// The domains fi_getinfo lists for an RDM endpoint on ``provider``, each once, in its order
+// (empty where there is none).
+inline std::vector<DomainEntry> list_domains(const std::string& provider) {
+    fi_info* hints = rdm_hints(provider);
+    fi_info* info = nullptr;
+    int rc = getinfo(hints, &info);
+    fi_freeinfo(hints);
+    std::vector<DomainEntry> out;
+    if (rc != 0) return out;
+    for (fi_info* e = info; e; e = e->next) {
+        if (!e->domain_attr || !e->domain_attr->name) continue;
+        std::string name = e->domain_attr->name;
+        bool seen = false;
+        for (const auto& d : out) seen = seen || d.name == name;
+        if (seen) continue;
+        DomainEntry d;
+        d.name = name;
+        d.fabric = e->fabric_attr && e->fabric_attr->name ? e->fabric_attr->name : "";
+        if (e->nic) {
+            const fi_bus_attr* bus = e->nic->bus_attr;
+            if (bus && bus->bus_type == FI_BUS_PCI) {
+                char pci[32];
+                std::snprintf(pci, sizeof(pci), "%04x:%02x:%02x.%x", unsigned(bus->attr.pci.domain_id),
+                              unsigned(bus->attr.pci.bus_id), unsigned(bus->attr.pci.device_id),
+                              unsigned(bus->attr.pci.function_id));
+                d.pci = pci;
+            }
+            if (e->nic->device_attr && e->nic->device_attr->name) d.device = e->nic->device_attr->name;
+            if (e->nic->link_attr) d.speed_bps = e->nic->link_attr->speed;
+        }
+        out.push_back(std::move(d));
+    }
+    fi_freeinfo(info);
+    return out;
 }
 
 // An operation the provider cancelled (FI_ECANCELED) is about the peer, whatever the
@@ -149,19 +210,16 @@ class LibfabricDomain {
     // ``hmem``: ask for FI_HMEM (CUDA memory), where the provider has it. ``markers``: delivery
     // markers where the provider allows (the end of the constructor); off, every write with
     // bytes goes delivery complete. ``strict_mr``: local registration as the efa provider
-    // wants it, checked (a test mode: "Strict local registration" below).
+    // wants it, checked (a test mode: "Strict local registration" below). ``domain``: the
+    // provider's domain (NIC) to open, by name (list_domains); empty: the first it lists.
     LibfabricDomain(const std::string& provider, int index, size_t cq_size, const std::string& source = std::string(),
-                    bool hmem = false, bool markers = true, bool strict_mr = false)
+                    bool hmem = false, bool markers = true, bool strict_mr = false,
+                    const std::string& domain = std::string())
         : strict_mr_(strict_mr) {
-        fi_info* hints = fi_allocinfo();
-        if (!hints) throw std::bad_alloc();
-        hints->ep_attr->type = FI_EP_RDM;
-        hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_MSG | FI_SEND | FI_RECV;
-        hints->mode = FI_CONTEXT | FI_CONTEXT2;
-        hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
+        fi_info* hints = rdm_hints(provider);
+        hints->caps |= FI_SEND | FI_RECV;
         hints->domain_attr->threading = FI_THREAD_SAFE;
         hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
-        hints->fabric_attr->prov_name = strdup(provider.c_str());
         // FI_SOURCE where the provider has it and reports it right: an imm's source, for exact
         // counts across a lost NIC (fabric/engine.hpp, "NIC loss"). Not on rxm: libfabric
         // 1.17's reported a second sender's remote writes as coming from the first (measured:
@@ -200,6 +258,7 @@ class LibfabricDomain {
         fi_freeinfo(hints);
         if (rc != 0)
             throw LibfabricError("fi_getinfo(" + provider + (source.empty() ? "" : " at " + source) + ")", rc);
+        if (!domain.empty()) keep_domain(domain, provider);
         shm_ = info_->fabric_attr->prov_name && std::string(info_->fabric_attr->prov_name) == "shm";
         stale_peers_ = info_->fabric_attr->prov_name &&
                        std::string(info_->fabric_attr->prov_name).find("ofi_rxm") != std::string::npos;
@@ -745,6 +804,31 @@ class LibfabricDomain {
         held_[op->domain_index] = held_.back();  // (order does not matter)
         held_[op->domain_index]->domain_index = op->domain_index;
         held_.pop_back();
+    }
+
+    // Keeps, of the entries fi_getinfo gave (info_), the first of the domain ``name``; none:
+    // LibfabricError naming the domains there are.
+    void keep_domain(const std::string& name, const std::string& provider) {
+        fi_info* found = nullptr;
+        std::vector<std::string> there;
+        for (fi_info* e = info_; e && !found; e = e->next) {
+            const char* d = e->domain_attr ? e->domain_attr->name : nullptr;
+            if (d == nullptr) continue;
+            if (name == d) found = e;
+            else if (std::find(there.begin(), there.end(), std::string(d)) == there.end()) there.emplace_back(d);
+        }
+        fi_info* one = found ? fi_dupinfo(found) : nullptr;
+        fi_freeinfo(info_);
+        info_ = nullptr;
+        if (found == nullptr) {
+            std::string listed;
+            for (const auto& d : there) listed += (listed.empty() ? "" : ", ") + d;
+            throw LibfabricError("no domain '" + name + "' on provider " + provider + " (it has: " +
+                                     (listed.empty() ? std::string("none") : listed) + ")",
+                                 -FI_ENODATA);
+        }
+        if (one == nullptr) throw std::bad_alloc();
+        info_ = one;
     }
 
     // (strict_mr) Records the registration ``mr`` of [ptr, ptr + len); its record is the

@@ -34,9 +34,9 @@ class EfaEngine : public fabric::PyEngine<Domain> {
   public:
     EfaEngine(const std::string& provider, int nics, std::optional<uint64_t> chaos_seed, int cpu, size_t recv_depth,
               size_t max_send, const std::vector<std::string>& sources, bool hmem, int ipc_device, bool markers,
-              bool strict_mr)
-        : PyEngine(open(provider, nics, sources, hmem, ipc_device, markers, strict_mr), chaos_seed, cpu, recv_depth,
-                   max_send),
+              bool strict_mr, const std::vector<std::string>& domains)
+        : PyEngine(open(provider, nics, sources, hmem, ipc_device, markers, strict_mr, domains), chaos_seed, cpu,
+                   recv_depth, max_send),
           info_(engine().nic(0).info()),
           cuda_ipc_(engine().nic(0).cuda_ipc()),
           kernel_off_(engine().nic(0).copy_kernel_off()),
@@ -76,16 +76,17 @@ class EfaEngine : public fabric::PyEngine<Domain> {
     // ``sources``: empty, or the local address each NIC binds to. ``hmem``: ask for FI_HMEM
     // (there is a GPU whose memory to register). ``ipc_device``: >= 0: carry CUDA memory over
     // CUDA IPC, with that device's primary context (fabric/cuda_ipc.hpp). ``markers``: delivery
-    // markers where the provider allows. ``strict_mr``: FI_MR_LOCAL's registrations, checked
-    // (LibfabricDomain).
+    // markers where the provider allows. ``strict_mr``: FI_MR_LOCAL's registrations, checked.
+    // ``names``: empty, or the provider's domain each NIC opens ("": its first) (LibfabricDomain).
     static std::vector<std::unique_ptr<Domain>> open(const std::string& provider, int nics,
                                                      const std::vector<std::string>& sources, bool hmem,
-                                                     int ipc_device, bool markers, bool strict_mr) {
+                                                     int ipc_device, bool markers, bool strict_mr,
+                                                     const std::vector<std::string>& names) {
         std::vector<std::unique_ptr<Domain>> domains;
-        for (int i = 0; i < nics; i++)
-            domains.push_back(std::make_unique<Domain>(ipc_device, provider, i, 4096,
-                                                       size_t(i) < sources.size() ? sources[size_t(i)] : std::string(),
-                                                       hmem, markers, strict_mr));
+        for (size_t i = 0; i < size_t(nics); i++)
+            domains.push_back(std::make_unique<Domain>(ipc_device, provider, int(i), 4096,
+                                                       i < sources.size() ? sources[i] : std::string(), hmem,
+                                                       markers, strict_mr, i < names.size() ? names[i] : std::string()));
         return domains;
     }
 
@@ -96,12 +97,7 @@ class EfaEngine : public fabric::PyEngine<Domain> {
 
 // Cheap check: can fi_getinfo find an RDM endpoint with RMA and remote CQ data here?
 std::optional<std::string> probe(const std::string& provider) {
-    fi_info* hints = fi_allocinfo();
-    hints->ep_attr->type = FI_EP_RDM;
-    hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_MSG;
-    hints->mode = FI_CONTEXT | FI_CONTEXT2;
-    hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
-    hints->fabric_attr->prov_name = strdup(provider.c_str());
+    fi_info* hints = fabric::efa::rdm_hints(provider);
     fi_info* info = nullptr;
     int rc = fabric::efa::getinfo(hints, &info);
     fi_freeinfo(hints);
@@ -153,6 +149,27 @@ PYBIND11_MODULE(_efa, m) {
     fabric::bind_counter_table(m);
     m.def("probe", &probe, py::arg("provider"));
     m.def(
+        "list_domains",
+        [](const std::string& provider) {
+            std::vector<fabric::efa::DomainEntry> found;
+            {
+                py::gil_scoped_release release;
+                found = fabric::efa::list_domains(provider);
+            }
+            py::list out;
+            for (const auto& d : found) {
+                py::dict e;
+                e["name"] = d.name;
+                e["fabric"] = d.fabric;
+                e["pci"] = d.pci;
+                e["device"] = d.device;
+                e["speed_bps"] = d.speed_bps;
+                out.append(e);
+            }
+            return out;
+        },
+        py::arg("provider"));
+    m.def(
         "_strict_mr_selftest",
         [](const std::string& provider, bool then_abort) {
             py::gil_scoped_release release;
@@ -178,10 +195,11 @@ PYBIND11_MODULE(_efa, m) {
     py::class_<EfaEngine> engine(m, "Engine", py::module_local());
     engine
         .def(py::init<const std::string&, int, std::optional<uint64_t>, int, size_t, size_t,
-                      const std::vector<std::string>&, bool, int, bool, bool>(),
+                      const std::vector<std::string>&, bool, int, bool, bool, const std::vector<std::string>&>(),
              py::arg("provider"), py::arg("nics"), py::arg("chaos_seed"), py::arg("cpu"), py::arg("recv_depth"),
              py::arg("max_send"), py::arg("sources") = std::vector<std::string>(), py::arg("hmem") = false,
-             py::arg("ipc_device") = -1, py::arg("markers") = true, py::arg("strict_mr") = false)
+             py::arg("ipc_device") = -1, py::arg("markers") = true, py::arg("strict_mr") = false,
+             py::arg("domains") = std::vector<std::string>())
         .def("provider_info", &EfaEngine::provider_info)
         .def("inject_nic_failure", &EfaEngine::inject_nic_failure, py::arg("nic"), py::arg("failed"),
              py::arg("seed") = 0);

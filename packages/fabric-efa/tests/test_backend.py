@@ -877,3 +877,76 @@ def test_a_strict_engine_moves_writes_imms_and_messages_with_every_buffer_regist
         assert not pages[4096:8192].any() and not pages[6 * 4096 :].any()
         a.submit_send(b.address, b"strict hello").wait(20)
         assert b.recv(timeout=20).data == b"strict hello"
+
+
+def test_each_nic_opens_the_domain_the_settings_name_or_the_providers_pci_nics_in_turn() -> None:
+    """``efa_domains`` names the provider's domain of each NIC (NIC i on name i mod count);
+    a name the provider does not list is a ConfigError that lists those it does. Unset: where
+    the provider lists several domains on PCI devices (efa: an EFA device each), NIC i opens
+    the i-th of them; with one or none ("" for each NIC) every NIC opens the provider's first,
+    as shm and tcp's emulated NICs do."""
+    from fabric_core.errors import ConfigError
+    from fabric_efa.engine import nic_domains
+
+    def dom(name: str, pci: str = "") -> dict[str, Any]:
+        return {"name": name, "fabric": "efa", "pci": pci, "device": "", "speed_bps": 0}
+
+    efa = [dom(f"rdmap{i}s0-rdm", f"0000:{0x10 + i:02x}:00.0") for i in range(4)]
+    assert nic_domains(efa, 2, None, "efa") == ["rdmap0s0-rdm", "rdmap1s0-rdm"]
+    assert nic_domains(efa, 6, None, "efa") == [f"rdmap{i % 4}s0-rdm" for i in range(6)]
+    assert nic_domains(efa, 3, " rdmap2s0-rdm ,rdmap3s0-rdm", "efa") == [
+        "rdmap2s0-rdm",
+        "rdmap3s0-rdm",
+        "rdmap2s0-rdm",
+    ]
+    assert nic_domains([dom("lo"), dom("eth0")], 2, None, "tcp;ofi_rxm") == ["", ""]
+    assert nic_domains([dom("x", "0000:01:00.0")], 2, None, "efa") == ["", ""]
+    assert nic_domains([dom("lo"), dom("eth0")], 2, "eth0", "tcp;ofi_rxm") == ["eth0", "eth0"]
+    with pytest.raises(
+        ConfigError, match=r"names nope, which provider 'efa' does not offer here \(it has: rdmap0"
+    ):
+        nic_domains(efa, 2, "rdmap0s0-rdm,nope", "efa")
+    with pytest.raises(ConfigError, match="names no domain"):
+        nic_domains(efa, 2, " , ", "efa")
+
+
+def test_an_engine_opens_its_nics_on_the_named_domain_and_refuses_one_not_there() -> None:
+    """On tcp pinned to loopback (FI_TCP_IFACE=lo) the provider lists one domain, ``lo``: NICs
+    named so open there and say so; naming ``eth0`` is a ConfigError that lists ``lo``, and
+    opens nothing. ``list_domains`` gives each domain once, with its fabric."""
+    from fabric_core.errors import ConfigError
+    from fabric_efa import _efa
+
+    provider = "tcp;ofi_rxm"
+    if not EfaBackend.probe(load_settings(efa_provider=provider)).available:
+        pytest.skip("no tcp;ofi_rxm")
+    assert _efa.list_domains(provider) == [
+        {"name": "lo", "fabric": "127.0.0.1/32", "pci": "", "device": "", "speed_bps": 0}
+    ]
+    with registry.open_engine("efa", efa_provider=provider, nics=2, efa_domains="lo") as engine:
+        assert [d.name for d in engine.domains] == ["lo#0", "lo#1"]
+    with pytest.raises(
+        ConfigError, match=r"names eth0, which provider 'tcp;ofi_rxm' does not offer here \(it has: lo\)"
+    ):
+        registry.open_engine("efa", efa_provider=provider, efa_domains="eth0")
+
+
+def test_the_topology_is_the_engines_nics_unless_efa_topology_names_the_groups() -> None:
+    """Where the provider's domains are no PCI devices (tcp here), ``detect_topology`` gives
+    one host group holding the engine's NICs; ``efa_topology`` names the groups instead, by
+    domain, and a name the provider does not list is a ConfigError naming the setting."""
+    from fabric_core.errors import ConfigError
+    from fabric_core.models import Device
+
+    provider = "tcp;ofi_rxm"
+    if not EfaBackend.probe(load_settings(efa_provider=provider)).available:
+        pytest.skip("no tcp;ofi_rxm")
+    (group,) = registry.detect_topology("efa", efa_provider=provider, nics=2)
+    assert group.device == Device() and [d.name for d in group.domains] == ["lo#0", "lo#1"]
+    (group,) = registry.detect_topology("efa", efa_provider=provider, efa_topology="cuda:1=lo")
+    assert group.device == Device(kind="cuda", index=1)
+    assert [(d.name, d.details["fabric"]) for d in group.domains] == [("lo", "127.0.0.1/32")]
+    with pytest.raises(
+        ConfigError, match="FABRIC_EFA_TOPOLOGY names eth0, which is not a domain of provider"
+    ):
+        registry.detect_topology("efa", efa_provider=provider, efa_topology="cpu=eth0")

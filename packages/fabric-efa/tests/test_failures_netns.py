@@ -424,3 +424,31 @@ def test_cancel_waits_for_bytes_under_way_on_a_slower_nic() -> None:
         assert np.array_equal(dst, src), "the target's fence returned before the writer's bytes landed"
         t2.wait(20)
         h.lab.rate_limit(0, None, rail=1)
+
+
+def test_nics_named_by_their_domains_each_carry_their_share_on_their_own_rail() -> None:
+    """``efa_domains`` names the provider's domain each NIC opens (a tcp interface here): two
+    hosts on two rails, each engine's NICs named ``r0,r1`` and no addresses given. A sharded
+    write lands byte-exact with exact counts, and each rail's interface carried at least a
+    third of its bytes (the kernel's own count, /sys/class/net)."""
+    with hosts(2, rails=2) as h:
+        a = h.engine(0, nics=2, efa_domains="r0,r1", efa_nic_addrs=None)
+        b = h.engine(1, nics=2, efa_domains="r0,r1", efa_nic_addrs=None)
+        assert [d.name for d in a.domains] == ["r0#0", "r1#1"]
+        size = 16 * MiB
+        src, dst = h.data(size, 5), h.pool.alloc(size)
+        mr, desc = a.register(src), b.register(dst).descriptor
+        a.submit_imm(desc, 4).wait(10)
+        _exactly(b, 4, 1)
+        a.fence([desc], timeout=10)  # the NIC-loss session is up: WriteImms use both NICs
+
+        def sent() -> list[int]:
+            return [int(h.lab.exec(0, "cat", f"/sys/class/net/r{r}/statistics/tx_bytes")) for r in (0, 1)]
+
+        before = sent()
+        t = a.submit_write(mr, 0, size, desc, 0, imm=5)
+        t.wait(20)
+        _exactly(b, 5, t.imms_at_target)
+        moved = [n - b0 for n, b0 in zip(sent(), before, strict=True)]
+        assert np.array_equal(dst, src)
+        assert min(moved) >= size // 3, moved

@@ -92,6 +92,20 @@ class FabricSettings(BaseSettings):
         "(providers that bind to an IP interface, as tcp: one interface per NIC). Default: "
         "the provider's choice.",
     )
+    efa_domains: str | None = Field(
+        None,
+        description="The provider's domains (NICs) of the group, in NIC order, comma-separated "
+        "(e.g. 'rdmap16s27-rdm,rdmap32s27-rdm'; `fabric info` lists them). With fewer than "
+        "NICs, NIC i takes domain i mod count. Default: where the provider lists several "
+        "domains on PCI devices (efa: one per EFA device), NIC i takes the i-th of them; "
+        "otherwise every NIC opens the provider's first (shm, tcp: endpoints emulate NICs).",
+    )
+    efa_topology: str | None = Field(
+        None,
+        description="Override of the efa backend's detect_topology(): "
+        "'cuda:0=DOMAIN[,DOMAIN...];cuda:1=...;cpu=...'. Default: each GPU with the provider's "
+        "PCI domains closest to it (fabric_core.topology), then a host group with all of them.",
+    )
     efa_cuda_ipc: bool = Field(
         True,
         description="On one host (provider 'shm'), carry CUDA memory between processes with "

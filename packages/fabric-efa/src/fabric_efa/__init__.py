@@ -59,13 +59,35 @@ class EfaBackend(Backend):
 
     @classmethod
     def detect_topology(cls, settings: FabricSettings) -> list[TopologyGroup]:
-        from .engine import EfaEngine
+        """Where the provider's domains are PCI devices (efa: one per EFA device), one group per
+        GPU with the domains closest to it, then a host group with all of them (or the groups
+        ``efa_topology`` names); elsewhere (shm, tcp) one host group: the engine's NICs."""
+        import os
+
+        from fabric_core.topology import build_groups
+
+        from .engine import EfaEngine, domain_infos
 
         engine = EfaEngine(settings)
         try:
-            return [TopologyGroup(device=Device(), domains=engine.domains)]
+            opened = engine.domains
         finally:
             engine.close()
+        provider = settings.efa_provider
+        listed = _native().list_domains(provider)  # type: ignore[attr-defined]
+        physical = [d for d in listed if d.get("pci")]
+        if not physical and settings.efa_topology is None:
+            return [TopologyGroup(device=Device(), domains=opened)]
+        infos = domain_infos(
+            listed if settings.efa_topology is not None else physical, provider, opened[0].max_msg_size
+        )
+        return build_groups(
+            infos,
+            override=settings.efa_topology,
+            visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+            setting="FABRIC_EFA_TOPOLOGY",
+            noun=f"a domain of provider {provider!r}",
+        )
 
     @classmethod
     def open(cls, settings: FabricSettings) -> TransferEngine:

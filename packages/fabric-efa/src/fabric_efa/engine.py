@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fabric_core import cuda
@@ -13,7 +14,7 @@ from fabric_core.settings import FabricSettings
 
 from . import _efa
 
-__all__ = ["EfaEngine", "default_queue_bytes", "default_queue_depth"]
+__all__ = ["EfaEngine", "default_queue_bytes", "default_queue_depth", "nic_domains"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,56 @@ _MR_MODES = {
 }
 
 
+def nic_domains(
+    listed: Sequence[Mapping[str, Any]], nics: int, names: str | None, provider: str
+) -> list[str]:
+    """The provider domain each of ``nics`` NICs opens ("" for the provider's first), from the
+    domains the provider lists (``_efa.list_domains``) and ``efa_domains`` (``names``): the
+    named ones, NIC i on name i mod count; unset, the provider's domains on PCI devices (real
+    NICs: an EFA device each) where there are several, NIC i on the i-th mod count; else ""
+    for every NIC (shm, tcp: several endpoints on one domain emulate several NICs)."""
+    known = [str(d["name"]) for d in listed]
+    if names is not None:
+        wanted = [n.strip() for n in names.split(",") if n.strip()]
+        missing = [n for n in wanted if n not in known]
+        if not wanted or missing:
+            raise ConfigError(
+                f"efa_domains names {', '.join(missing) or 'no domain'}, which provider {provider!r} does "
+                f"not offer here (it has: {', '.join(known) or 'none'})"
+            )
+        return [wanted[i % len(wanted)] for i in range(nics)]
+    physical = [str(d["name"]) for d in listed if d.get("pci")]
+    if len(physical) > 1:
+        return [physical[i % len(physical)] for i in range(nics)]
+    return [""] * nics
+
+
+def domain_infos(listed: Sequence[Mapping[str, Any]], provider: str, max_msg_size: int) -> list[DomainInfo]:
+    """A ``DomainInfo`` per domain the provider lists (``detect_topology``): its PCI function,
+    NUMA node and link speed where the provider gives them."""
+    from fabric_core.topology import numa_node_of
+
+    out = []
+    for d in listed:
+        pci = str(d.get("pci") or "") or None
+        speed = int(d.get("speed_bps") or 0)
+        details: dict[str, str | int | bool] = {"fabric": str(d.get("fabric", ""))}
+        if d.get("device"):
+            details["device"] = str(d["device"])
+        out.append(
+            DomainInfo(
+                name=str(d["name"]),
+                provider=provider,
+                link_speed_gbps=speed / 1e9 if speed else None,
+                numa_node=numa_node_of(pci) if pci else None,
+                pci_bus_id=pci,
+                max_msg_size=max_msg_size,
+                details=details,
+            )
+        )
+    return out
+
+
 def _details(info: dict[str, Any]) -> dict[str, str | int | bool]:
     """The provider's limits as ``fabric info`` shows them."""
     mode = int(info["mr_mode"])
@@ -126,6 +177,8 @@ class EfaEngine(NativeEngine):
             raise ConfigError(
                 f"efa_nic_addrs names {len(sources)} address(es) for {nics} NIC(s): give one per NIC"
             )
+        listed = _efa.list_domains(provider)
+        domains = nic_domains(listed, nics, settings.efa_domains, provider)
         # One host (shm): CUDA memory over CUDA IPC, which the provider then need not carry.
         ipc = provider == "shm" and settings.efa_cuda_ipc and cuda.available()
         try:
@@ -141,6 +194,7 @@ class EfaEngine(NativeEngine):
                 cuda.current_device() if ipc else -1,
                 settings.efa_delivery_markers,
                 settings.efa_strict_mr,
+                domains,
             )
         except RuntimeError as exc:
             raise BackendUnavailable(
@@ -158,6 +212,9 @@ class EfaEngine(NativeEngine):
             ways = (("cuda_copy_kernel", "cuda_copy_kernel_off"), ("cuda_imm_inbox", "cuda_inbox_off"))
             for key, off in ways:
                 details[key] = f"no: {info[off]}" if info[off] else "yes"
+        by_name = {str(d["name"]): d for d in listed}
+        # the names efa_domains takes (FABRIC_EFA_DOMAINS): what `fabric info` shows a user
+        details["provider_domains"] = ", ".join(by_name) or "none"
         depth = default_queue_depth(str(info["provider"]))
         allowance = default_queue_bytes(str(info["provider"]))
         details["queue_depth"], details["queue_bytes"] = queue_limits(settings, depth, allowance)
@@ -175,9 +232,10 @@ class EfaEngine(NativeEngine):
             ),
             [
                 DomainInfo(
-                    name=f"{info['domain']}#{i}",
+                    name=f"{domains[i] or info['domain']}#{i}",
                     provider=str(info["provider"]),
                     max_msg_size=max_msg,
+                    pci_bus_id=str(by_name.get(domains[i] or info["domain"], {}).get("pci") or "") or None,
                     details=details,
                 )
                 for i in range(nics)

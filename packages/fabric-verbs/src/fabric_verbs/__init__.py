@@ -112,7 +112,7 @@ class VerbsBackend(Backend):
     def detect_topology(cls, settings: FabricSettings) -> list[TopologyGroup]:
         import os
 
-        from .topology import build_groups
+        from fabric_core.topology import build_groups
 
         native = _native()
         verbs = load_verbs_settings()

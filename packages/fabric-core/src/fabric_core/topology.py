@@ -1,9 +1,11 @@
-"""GPU ↔ NIC ↔ NUMA affinity from sysfs, for ``VerbsBackend.detect_topology``.
+"""GPU ↔ NIC ↔ NUMA affinity from sysfs, for the backends' ``detect_topology`` (verbs: RDMA
+devices; efa: the provider's domains on PCI devices).
 
 Each GPU gets the NICs closest to it on the PCIe tree (fewest hops to a common bridge: a NIC
 behind the GPU's own PCIe switch beats one behind the same root port, which beats one on
 the same NUMA node, which beats the rest), ties included. The CPUs of a group are those of
-the GPU's NUMA node. ``FABRIC_VERBS_TOPOLOGY`` overrides all of it.
+the GPU's NUMA node. A backend's override setting (``FABRIC_VERBS_TOPOLOGY``,
+``FABRIC_EFA_TOPOLOGY``) replaces all of it.
 
 Every function takes the sysfs root, so the tests run on a made-up tree.
 """
@@ -22,6 +24,7 @@ from fabric_core.models import Device, DomainInfo, TopologyGroup
 __all__ = [
     "Gpu",
     "build_groups",
+    "numa_node_of",
     "find_gpus",
     "node_cpus",
     "parse_cpulist",
@@ -125,8 +128,14 @@ def find_gpus(sysfs: str | os.PathLike[str] = "/sys", visible: str | None = None
     return [Gpu(i, found[k][0], found[k][1]) for i, k in enumerate(order)]
 
 
-def parse_override(text: str) -> list[tuple[Device, tuple[str, ...]]]:
-    """``'cuda:0=mlx5_0,mlx5_1;cpu=mlx5_2'`` → ``[(cuda:0, ('mlx5_0', 'mlx5_1')), (cpu, ('mlx5_2',))]``."""
+def numa_node_of(bdf: str, sysfs: str | os.PathLike[str] = "/sys") -> int | None:
+    """The NUMA node of the PCI function ``bdf``, where sysfs knows it."""
+    return _numa(_read(Path(sysfs) / "bus" / "pci" / "devices" / bdf / "numa_node"))
+
+
+def parse_override(text: str, setting: str = "FABRIC_VERBS_TOPOLOGY") -> list[tuple[Device, tuple[str, ...]]]:
+    """``'cuda:0=mlx5_0,mlx5_1;cpu=mlx5_2'`` → ``[(cuda:0, ('mlx5_0', 'mlx5_1')), (cpu, ('mlx5_2',))]``.
+    ``setting`` names the variable it came from in errors."""
     out: list[tuple[Device, tuple[str, ...]]] = []
     for entry in text.split(";"):
         if not entry.strip():
@@ -135,12 +144,12 @@ def parse_override(text: str) -> list[tuple[Device, tuple[str, ...]]]:
         names = tuple(n.strip() for n in nics.split(",") if n.strip())
         if not sep or not names:
             raise ConfigError(
-                f"FABRIC_VERBS_TOPOLOGY entry {entry.strip()!r} is not 'DEVICE=NIC[,NIC...]' "
+                f"{setting} entry {entry.strip()!r} is not 'DEVICE=NIC[,NIC...]' "
                 "(e.g. 'cuda:0=mlx5_0,mlx5_1;cpu=mlx5_2')"
             )
         out.append((Device.parse(device.strip()), names))
     if not out:
-        raise ConfigError("FABRIC_VERBS_TOPOLOGY is empty")
+        raise ConfigError(f"{setting} is empty")
     return out
 
 
@@ -169,18 +178,22 @@ def build_groups(
     sysfs: str | os.PathLike[str] = "/sys",
     override: str | None = None,
     visible: str | None = None,
+    setting: str = "FABRIC_VERBS_TOPOLOGY",
+    noun: str = "an RDMA device",
 ) -> list[TopologyGroup]:
     """The domain groups: one per GPU with its closest NICs (or per ``override`` entry), and a
-    host-memory group with every NIC. ``domains`` are the NICs, named ``device:port``."""
+    host-memory group with every NIC. ``domains`` are the NICs, named ``device`` or
+    ``device:port``; an override names the ``device``. ``setting`` names the override's
+    variable and ``noun`` what a NIC is, in errors."""
     sysfs = os.fspath(sysfs)
     by_device = {d.name.split(":")[0]: d for d in domains}
     if override is not None:
         groups = []
-        for device, names in parse_override(override):
+        for device, names in parse_override(override, setting):
             missing = [n for n in names if n not in by_device]
             if missing:
                 raise ConfigError(
-                    f"FABRIC_VERBS_TOPOLOGY names {', '.join(missing)}, which is not an RDMA device "
+                    f"{setting} names {', '.join(missing)}, which is not {noun} "
                     f"here (present: {', '.join(sorted(by_device)) or 'none'})"
                 )
             members = tuple(by_device[n] for n in names)

@@ -1,4 +1,4 @@
-"""GPU ↔ NIC ↔ NUMA affinity from sysfs (fabric_verbs.topology), on a made-up sysfs tree:
+"""GPU ↔ NIC ↔ NUMA affinity from sysfs (fabric_core.topology), on a made-up sysfs tree:
 
 socket 0 (NUMA 0, CPUs 0-3)                   socket 1 (NUMA 1, CPUs 4-7)
 pci0000:00                                    pci0000:80
@@ -18,7 +18,7 @@ import pytest
 
 from fabric_core.errors import ConfigError
 from fabric_core.models import Device, DomainInfo
-from fabric_verbs.topology import (
+from fabric_core.topology import (
     build_groups,
     find_gpus,
     node_cpus,
