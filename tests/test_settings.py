@@ -73,7 +73,7 @@ def test_every_field_has_a_description() -> None:
             "rdmap16s27-rdm,rdmap32s27-rdm",
             "efa_domains",
             "rdmap16s27-rdm,rdmap32s27-rdm",
-        ),  # noqa: E501
+        ),
         ("FABRIC_EFA_TOPOLOGY", "cuda:0=rdmap16s27-rdm", "efa_topology", "cuda:0=rdmap16s27-rdm"),
         ("FABRIC_EFA_PROVIDER", "tcp;ofi_rxm", "efa_provider", "tcp;ofi_rxm"),
         ("FABRIC_WORKER_CPU", "1", "worker_cpu", 1),

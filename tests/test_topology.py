@@ -21,6 +21,7 @@ from fabric_core.models import Device, DomainInfo
 from fabric_core.topology import (
     build_groups,
     find_gpus,
+    gpu_domains,
     node_cpus,
     parse_cpulist,
     parse_override,
@@ -144,3 +145,13 @@ def test_cpulists() -> None:
     assert parse_cpulist("") == ()
     assert parse_cpulist("x") == ()
     assert node_cpus(None) == ()
+
+
+def test_a_gpus_domains_are_its_group_and_none_for_a_gpu_sysfs_does_not_show(sysfs: Path) -> None:
+    """What an engine on CUDA device ``gpu`` opens by default where the NICs are PCI devices
+    (fabric-efa: its EFA devices): the NICs of that GPU's group."""
+    assert names(gpu_domains(0, domains(), sysfs)) == ["mlx5_0:1"]
+    assert names(gpu_domains(1, domains(), sysfs)) == ["mlx5_2:1", "mlx5_3:1"]
+    assert names(gpu_domains(0, domains(), sysfs, visible="1")) == ["mlx5_2:1", "mlx5_3:1"]
+    assert gpu_domains(7, domains(), sysfs) == ()
+    assert gpu_domains(0, domains(), sysfs / "nowhere") == ()

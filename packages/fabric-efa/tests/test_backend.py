@@ -883,7 +883,8 @@ def test_each_nic_opens_the_domain_the_settings_name_or_the_providers_pci_nics_i
     """``efa_domains`` names the provider's domain of each NIC (NIC i on name i mod count);
     a name the provider does not list is a ConfigError that lists those it does. Unset: where
     the provider lists several domains on PCI devices (efa: an EFA device each), NIC i opens
-    the i-th of them; with one or none ("" for each NIC) every NIC opens the provider's first,
+    the i-th of those closest to the engine's GPU (its topology group) where there is one, else
+    of all of them; with one or none ("" for each NIC) every NIC opens the provider's first,
     as shm and tcp's emulated NICs do."""
     from fabric_core.errors import ConfigError
     from fabric_efa.engine import nic_domains
@@ -899,6 +900,15 @@ def test_each_nic_opens_the_domain_the_settings_name_or_the_providers_pci_nics_i
         "rdmap3s0-rdm",
         "rdmap2s0-rdm",
     ]
+    # an engine on a GPU: the domains of its topology group, in turn
+    assert nic_domains(efa, 4, None, "efa", near=["rdmap2s0-rdm", "rdmap3s0-rdm"]) == [
+        "rdmap2s0-rdm",
+        "rdmap3s0-rdm",
+        "rdmap2s0-rdm",
+        "rdmap3s0-rdm",
+    ]
+    assert nic_domains(efa, 2, None, "efa", near=["gone"]) == ["rdmap0s0-rdm", "rdmap1s0-rdm"]
+    assert nic_domains(efa, 1, "rdmap3s0-rdm", "efa", near=["rdmap2s0-rdm"]) == ["rdmap3s0-rdm"]
     assert nic_domains([dom("lo"), dom("eth0")], 2, None, "tcp;ofi_rxm") == ["", ""]
     assert nic_domains([dom("x", "0000:01:00.0")], 2, None, "efa") == ["", ""]
     assert nic_domains([dom("lo"), dom("eth0")], 2, "eth0", "tcp;ofi_rxm") == ["eth0", "eth0"]

@@ -26,6 +26,7 @@ __all__ = [
     "build_groups",
     "numa_node_of",
     "find_gpus",
+    "gpu_domains",
     "node_cpus",
     "parse_cpulist",
     "parse_override",
@@ -218,3 +219,18 @@ def build_groups(
         node = _common_numa(domains)
         groups.append(TopologyGroup(numa_node=node, domains=tuple(domains), cpus=node_cpus(node, sysfs)))
     return groups
+
+
+def gpu_domains(
+    gpu: int,
+    domains: Sequence[DomainInfo],
+    sysfs: str | os.PathLike[str] = "/sys",
+    visible: str | None = None,
+) -> tuple[DomainInfo, ...]:
+    """The NICs of CUDA device ``gpu``'s group (those closest to it, as ``build_groups`` picks
+    them), or ``()`` where sysfs shows no such GPU."""
+    want = Device(kind="cuda", index=gpu)
+    for group in build_groups(domains, sysfs, visible=visible):
+        if group.device == want:
+            return group.domains
+    return ()

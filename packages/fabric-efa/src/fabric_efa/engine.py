@@ -79,13 +79,18 @@ _MR_MODES = {
 
 
 def nic_domains(
-    listed: Sequence[Mapping[str, Any]], nics: int, names: str | None, provider: str
+    listed: Sequence[Mapping[str, Any]],
+    nics: int,
+    names: str | None,
+    provider: str,
+    near: Sequence[str] = (),
 ) -> list[str]:
     """The provider domain each of ``nics`` NICs opens ("" for the provider's first), from the
     domains the provider lists (``_efa.list_domains``) and ``efa_domains`` (``names``): the
     named ones, NIC i on name i mod count; unset, the provider's domains on PCI devices (real
-    NICs: an EFA device each) where there are several, NIC i on the i-th mod count; else ""
-    for every NIC (shm, tcp: several endpoints on one domain emulate several NICs)."""
+    NICs: an EFA device each) where there are several: those ``near`` the engine's GPU where
+    given (its topology group), else all of them, NIC i on the i-th mod count; else "" for
+    every NIC (shm, tcp: several endpoints on one domain emulate several NICs)."""
     known = [str(d["name"]) for d in listed]
     if names is not None:
         wanted = [n.strip() for n in names.split(",") if n.strip()]
@@ -98,8 +103,24 @@ def nic_domains(
         return [wanted[i % len(wanted)] for i in range(nics)]
     physical = [str(d["name"]) for d in listed if d.get("pci")]
     if len(physical) > 1:
-        return [physical[i % len(physical)] for i in range(nics)]
+        chosen = [n for n in near if n in physical] or physical
+        return [chosen[i % len(chosen)] for i in range(nics)]
     return [""] * nics
+
+
+def _near_gpu(listed: Sequence[Mapping[str, Any]], provider: str) -> list[str]:
+    """The names of the provider's PCI domains closest to this thread's CUDA device (its
+    ``detect_topology`` group), where there are several and a GPU; else none."""
+    import os
+
+    from fabric_core.topology import gpu_domains
+
+    physical = [d for d in listed if d.get("pci")]
+    if len(physical) < 2 or not cuda.available():
+        return []
+    infos = domain_infos(physical, provider, 1)
+    near = gpu_domains(cuda.current_device(), infos, visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return [d.name for d in near]
 
 
 def domain_infos(listed: Sequence[Mapping[str, Any]], provider: str, max_msg_size: int) -> list[DomainInfo]:
@@ -178,7 +199,8 @@ class EfaEngine(NativeEngine):
                 f"efa_nic_addrs names {len(sources)} address(es) for {nics} NIC(s): give one per NIC"
             )
         listed = _efa.list_domains(provider)
-        domains = nic_domains(listed, nics, settings.efa_domains, provider)
+        near = _near_gpu(listed, provider) if settings.efa_domains is None else []
+        domains = nic_domains(listed, nics, settings.efa_domains, provider, near)
         # One host (shm): CUDA memory over CUDA IPC, which the provider then need not carry.
         ipc = provider == "shm" and settings.efa_cuda_ipc and cuda.available()
         try:
