@@ -960,3 +960,78 @@ def test_the_topology_is_the_engines_nics_unless_efa_topology_names_the_groups()
         ConfigError, match="FABRIC_EFA_TOPOLOGY names eth0, which is not a domain of provider"
     ):
         registry.detect_topology("efa", efa_provider=provider, efa_topology="cpu=eth0")
+
+
+def _pci_domains() -> list[dict[str, Any]]:
+    """Four EFA-like domains on PCI functions 0000:1{0..3}:00.0, as list_domains gives them."""
+    return [
+        {
+            "name": f"rdmap{i}s0-rdm",
+            "fabric": "efa",
+            "pci": f"0000:1{i}:00.0",
+            "device": f"efa_{i}",
+            "speed_bps": 10**11,
+        }
+        for i in range(4)
+    ]
+
+
+def test_an_engine_on_a_gpu_takes_the_pci_domains_behind_its_own_switch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a made-up host (sysfs): GPU 0 with rdmap0 and rdmap1 behind its PCIe switch, GPU 1
+    with rdmap2 and rdmap3 behind its own. An engine whose CUDA device is 1 takes rdmap2 and
+    rdmap3; without a GPU, none is nearer (all four, in turn)."""
+    from fabric_core import cuda
+    from fabric_efa.engine import _near_gpu
+
+    devices = tmp_path / "bus" / "pci" / "devices"
+    devices.mkdir(parents=True)
+    tree = {  # function: (its path from the host bridge, vendor, class, NUMA node)
+        "0000:03:00.0": ("pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:00.0", "0x10de", "0x030200", 0),
+        "0000:10:00.0": ("pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:01.0", "0x1d0f", "0x020000", 0),
+        "0000:11:00.0": ("pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:02.0", "0x1d0f", "0x020000", 0),
+        "0000:83:00.0": ("pci0000:80/0000:80:01.0/0000:81:00.0/0000:82:00.0", "0x10de", "0x030200", 1),
+        "0000:12:00.0": ("pci0000:80/0000:80:01.0/0000:81:00.0/0000:82:01.0", "0x1d0f", "0x020000", 1),
+        "0000:13:00.0": ("pci0000:80/0000:80:01.0/0000:81:00.0/0000:82:02.0", "0x1d0f", "0x020000", 1),
+    }
+    for bdf, (path, vendor, cls, node) in tree.items():
+        real = tmp_path / "devices" / path / bdf
+        real.mkdir(parents=True)
+        (real / "vendor").write_text(vendor + "\n")
+        (real / "class").write_text(cls + "\n")
+        (real / "numa_node").write_text(f"{node}\n")
+        (devices / bdf).symlink_to(real)
+    listed = _pci_domains()
+    monkeypatch.setattr(cuda, "available", lambda: True)
+    monkeypatch.setattr(cuda, "current_device", lambda: 1)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert _near_gpu(listed, "efa", str(tmp_path)) == ["rdmap2s0-rdm", "rdmap3s0-rdm"]
+    monkeypatch.setattr(cuda, "current_device", lambda: 0)
+    assert _near_gpu(listed, "efa", str(tmp_path)) == ["rdmap0s0-rdm", "rdmap1s0-rdm"]
+    assert _near_gpu(listed[:1], "efa", str(tmp_path)) == []  # one PCI domain: nothing to pick
+    monkeypatch.setattr(cuda, "available", lambda: False)
+    assert _near_gpu(listed, "efa", str(tmp_path)) == []
+
+
+def test_pci_domains_make_the_topology_a_group_of_all_of_them_on_a_host_without_gpus(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the provider lists PCI domains (made up here), detect_topology groups those
+    rather than the engine's NICs: on a host without GPUs, one host group with all four, each
+    with its PCI function, link speed and device."""
+    from fabric_core import cuda
+    from fabric_core.models import Device
+    from fabric_efa import _efa
+
+    if not EfaBackend.probe(load_settings(efa_provider="shm")).available:
+        pytest.skip("no shm")
+    shm = {"name": "shm", "fabric": "shm", "pci": "", "device": "", "speed_bps": 0}
+    monkeypatch.setattr(_efa, "list_domains", lambda provider: [shm, *_pci_domains()])
+    monkeypatch.setattr(cuda, "available", lambda: False)
+    # (the engine detect_topology opens must open a domain shm has)
+    (group,) = registry.detect_topology("efa", efa_provider="shm", efa_domains="shm")
+    assert group.device == Device()
+    assert [(d.name, d.pci_bus_id, d.link_speed_gbps, d.details["device"]) for d in group.domains] == [
+        (f"rdmap{i}s0-rdm", f"0000:1{i}:00.0", 100.0, f"efa_{i}") for i in range(4)
+    ]

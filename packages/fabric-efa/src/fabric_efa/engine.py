@@ -108,7 +108,7 @@ def nic_domains(
     return [""] * nics
 
 
-def _near_gpu(listed: Sequence[Mapping[str, Any]], provider: str) -> list[str]:
+def _near_gpu(listed: Sequence[Mapping[str, Any]], provider: str, sysfs: str = "/sys") -> list[str]:
     """The names of the provider's PCI domains closest to this thread's CUDA device (its
     ``detect_topology`` group), where there are several and a GPU; else none."""
     import os
@@ -119,7 +119,7 @@ def _near_gpu(listed: Sequence[Mapping[str, Any]], provider: str) -> list[str]:
     if len(physical) < 2 or not cuda.available():
         return []
     infos = domain_infos(physical, provider, 1)
-    near = gpu_domains(cuda.current_device(), infos, visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+    near = gpu_domains(cuda.current_device(), infos, sysfs, visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
     return [d.name for d in near]
 
 
