@@ -1035,3 +1035,17 @@ def test_pci_domains_make_the_topology_a_group_of_all_of_them_on_a_host_without_
     assert [(d.name, d.pci_bus_id, d.link_speed_gbps, d.details["device"]) for d in group.domains] == [
         (f"rdmap{i}s0-rdm", f"0000:1{i}:00.0", 100.0, f"efa_{i}") for i in range(4)
     ]
+
+
+def test_the_endpoint_refuses_a_domain_its_provider_does_not_list_and_names_those_it_does() -> None:
+    """Below the settings' check, the compiled endpoint keeps only the fi_getinfo entry of the
+    domain it is given: one the provider does not list is an error naming the ones it does
+    (RuntimeError, which EfaEngine turns into BackendUnavailable), and no engine opens."""
+    from fabric_efa import _efa
+
+    if not EfaBackend.probe(load_settings(efa_provider="shm")).available:
+        pytest.skip("no shm")
+    with pytest.raises(RuntimeError, match=r"no domain 'nope' on provider shm \(it has: shm\)"):
+        _efa.Engine("shm", 2, None, -1, 8, 4096, [], False, -1, True, False, ["shm", "nope"])
+    core = _efa.Engine("shm", 1, None, -1, 8, 4096, [], False, -1, True, False, ["shm"])
+    core.close()
