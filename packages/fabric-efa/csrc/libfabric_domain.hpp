@@ -332,8 +332,15 @@ class LibfabricDomain {
             }
         }
         // the local buffer a zero-length write names (post_write), registered where the
-        // provider wants every buffer registered
-        if (local_mr()) zero_desc_ = local_desc(zero_src_, sizeof(zero_src_));
+        // provider wants every buffer registered (a refusal closes what the constructor opened)
+        if (local_mr()) {
+            try {
+                zero_desc_ = local_desc(zero_src_, sizeof(zero_src_));
+            } catch (...) {
+                close();
+                throw;
+            }
+        }
     }
 
     ~LibfabricDomain() { close(); }
