@@ -66,7 +66,7 @@ class EfaBackend(Backend):
 
         from fabric_core.topology import build_groups
 
-        from .engine import EfaEngine, domain_infos
+        from .engine import EfaEngine, domain_infos, pci_domains
 
         engine = EfaEngine(settings)
         try:
@@ -75,7 +75,7 @@ class EfaBackend(Backend):
             engine.close()
         provider = settings.efa_provider
         listed = _native().list_domains(provider)  # type: ignore[attr-defined]
-        physical = [d for d in listed if d.get("pci")]
+        physical = pci_domains(listed)
         if not physical and settings.efa_topology is None:
             return [TopologyGroup(device=Device(), domains=opened)]
         infos = domain_infos(

@@ -14,7 +14,7 @@ from fabric_core.settings import FabricSettings
 
 from . import _efa
 
-__all__ = ["EfaEngine", "default_queue_bytes", "default_queue_depth", "nic_domains"]
+__all__ = ["EfaEngine", "default_queue_bytes", "default_queue_depth", "nic_domains", "pci_domains"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,11 @@ _MR_MODES = {
 }
 
 
+def pci_domains(listed: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The domains ``list_domains`` gave that are PCI devices (real NICs: efa), in its order."""
+    return [d for d in listed if d.get("pci")]
+
+
 def nic_domains(
     listed: Sequence[Mapping[str, Any]],
     nics: int,
@@ -101,7 +106,7 @@ def nic_domains(
                 f"not offer here (it has: {', '.join(known) or 'none'})"
             )
         return [wanted[i % len(wanted)] for i in range(nics)]
-    physical = [str(d["name"]) for d in listed if d.get("pci")]
+    physical = [str(d["name"]) for d in pci_domains(listed)]
     if len(physical) > 1:
         chosen = [n for n in near if n in physical] or physical
         return [chosen[i % len(chosen)] for i in range(nics)]
@@ -115,7 +120,7 @@ def _near_gpu(listed: Sequence[Mapping[str, Any]], provider: str, sysfs: str = "
 
     from fabric_core.topology import gpu_domains
 
-    physical = [d for d in listed if d.get("pci")]
+    physical = pci_domains(listed)
     if len(physical) < 2 or not cuda.available():
         return []
     infos = domain_infos(physical, provider, 1)
