@@ -182,6 +182,7 @@ struct ProviderInfo {
     bool hmem = false;
     bool markers = false;  // small writes confirmed by delivery markers (LibfabricDomain: markers_)
     bool strict_mr = false;  // local registration checked at every post (LibfabricDomain: strict_mr_)
+    uint64_t eager_max = 0;  // lone writes of up to this many bytes go as eager frames (eager_max_)
 };
 
 // shm's regions are files in /dev/shm named after their process: "<pid>:<uid>:<n>", or
@@ -212,9 +213,11 @@ class LibfabricDomain {
     // bytes goes delivery complete. ``strict_mr``: local registration as the efa provider
     // wants it, checked (a test mode: "Strict local registration" below). ``domain``: the
     // provider's domain (NIC) to open, by name (list_domains); empty: the first it lists.
+    // ``eager_max``: lone writes of up to this many bytes go as eager frames where the
+    // provider is tcp's (eager_write_max()).
     LibfabricDomain(const std::string& provider, int index, size_t cq_size, const std::string& source = std::string(),
                     bool hmem = false, bool markers = true, bool strict_mr = false,
-                    const std::string& domain = std::string())
+                    const std::string& domain = std::string(), size_t eager_max = 0)
         : strict_mr_(strict_mr) {
         fi_info* hints = rdm_hints(provider);
         hints->caps |= FI_SEND | FI_RECV;
@@ -331,6 +334,13 @@ class LibfabricDomain {
                 markers_ = false;  // every write delivery complete, as without markers
             }
         }
+        // Eager writes (fabric/engine.hpp, Engine::post_eager): on rxm, whose delivery-complete
+        // write costs an acknowledgement the target's provider sends before it reports the
+        // imm, a lone small write goes as a frame to the target's engine, which copies it in
+        // and acknowledges it after counting its imm. NIC 0 only (the target engine's
+        // receives are there), and host memory only: not where the provider carries device
+        // memory (FI_HMEM), whose regions the target's engine could not copy into.
+        eager_max_ = stale_peers_ && index == 0 && !(info_->caps & FI_HMEM) ? eager_max : 0;
         // the local buffer a zero-length write names (post_write), registered where the
         // provider wants every buffer registered (a refusal closes what the constructor opened)
         if (local_mr()) {
@@ -360,6 +370,7 @@ class LibfabricDomain {
         p.hmem = (info_->caps & FI_HMEM) != 0;
         p.markers = markers_;
         p.strict_mr = strict_mr_;
+        p.eager_max = eager_max_;
         return p;
     }
 
@@ -393,6 +404,10 @@ class LibfabricDomain {
     // out of the writer's memory with CMA), so an idle target worker lingers after work
     // (Engine::run). tcp's kernel and EFA's device move them without the target's polls.
     bool target_copies() const { return shm_; }
+    // The largest write that goes as an eager frame (0: none; see the constructor).
+    size_t eager_write_max() const { return eager_max_; }
+    // Whether a fault is injected (inject_failure): the engine sends no eager write then.
+    bool nic_down() const { return failed_.load(std::memory_order_acquire); }
     // Whether every local buffer handed to the provider must be registered on this domain and
     // passed with its descriptor (FI_MR_LOCAL: the efa provider; or strict_mr).
     bool local_mr() const { return strict_mr_ || (info_->domain_attr->mr_mode & FI_MR_LOCAL) != 0; }
@@ -931,6 +946,7 @@ class LibfabricDomain {
     // strict_mr: the records handed out as descriptors (by record, and the live ones by
     // registration); taken by registering threads and by whoever posts
     bool strict_mr_ = false;
+    size_t eager_max_ = 0;  // eager_write_max()
     mutable std::mutex strict_mu_;
     std::unordered_map<const void*, std::unique_ptr<StrictMr>> strict_records_;
     std::unordered_map<fid_mr*, StrictMr*> strict_by_mr_;

@@ -645,15 +645,17 @@ def test_dump_state_lists_an_access_check_while_it_is_out() -> None:
     the target why (an access check, docs/concepts/security.md). While the question is out,
     ``dump_state()["access_checks"]`` lists it: the target, the NIC, the key and the writes
     held on it; once answered, the write fails with ``RemoteAccessError`` and the list is empty.
-    (The question leaves 20 ms after the cancel, so polling the dump every millisecond meets it.)"""
+    (The question leaves 20 ms after the cancel, so polling the dump every millisecond meets it.)
+    The write is larger than ``efa_eager_max``: an eager write's refusal comes back in its
+    acknowledgement instead (test_eager_writes.py)."""
     import time
 
     from fabric_core.errors import RemoteAccessError
 
-    with _connected("tcp;ofi_rxm") as (a, b, _src, dst, src_mr, d):
+    with _connected("tcp;ofi_rxm", 8192) as (a, b, _src, dst, src_mr, d):
         key = d.nics[0].rkey ^ 0x5A5A_0000
         forged = d.model_copy(update={"nics": (d.nics[0].model_copy(update={"rkey": key}),)})
-        t = a.submit_write(src_mr, 0, 64, forged, 0, imm=2, timeout=10)
+        t = a.submit_write(src_mr, 0, 4097 + 64, forged, 0, imm=2, timeout=10)
         seen: list[dict[str, Any]] = []
         end = time.monotonic() + 5
         while not seen and not t.done() and time.monotonic() < end:

@@ -119,6 +119,15 @@ class FabricSettings(BaseSettings):
         "order) instead of asking each for delivery complete, which shm sends one at a time "
         "per peer. Off: every write delivery complete.",
     )
+    efa_eager_max: Annotated[int, Field(ge=0, le=16384)] = Field(
+        4096,
+        description="On tcp;ofi_rxm, a write of up to this many bytes that is its request's "
+        "only work request goes as a control frame to the target's engine, which copies it "
+        "into the region, counts its imm and acknowledges it; the write completes on that "
+        "acknowledgement. tcp's delivery-complete write pays an acknowledgement the target's "
+        "provider sends before it reports the imm. 0: every write through the provider. "
+        "Both sides must run a fabric that knows these frames.",
+    )
     efa_strict_mr: bool = Field(
         False,
         description="A test mode: register every local buffer handed to the provider and pass "

@@ -170,6 +170,8 @@ def _details(info: dict[str, Any]) -> dict[str, str | int | bool]:
         "delivery_markers": bool(info["delivery_markers"]),
         # local registration as the efa provider wants it, checked at every post (a test mode)
         "strict_mr": bool(info["strict_mr"]),
+        # lone writes of up to this many bytes go as eager frames to the target's engine (tcp)
+        "eager_max": int(info["eager_max"]),
     }
 
 
@@ -222,6 +224,7 @@ class EfaEngine(NativeEngine):
                 settings.efa_delivery_markers,
                 settings.efa_strict_mr,
                 domains,
+                settings.efa_eager_max,
             )
         except RuntimeError as exc:
             raise BackendUnavailable(

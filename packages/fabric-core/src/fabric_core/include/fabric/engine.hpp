@@ -42,6 +42,12 @@
 //   bool target_copies() const;                          // the target's own polls move the
 //                                                        // bytes of writes to it (shm), so
 //                                                        // its idle worker lingers (run())
+//   size_t eager_write_max() const;                      // NIC 0: lone writes of up to this
+//                                                        // many bytes go as eager frames
+//                                                        // (Engine::post_eager); 0: none
+//   bool nic_down() const;                               // a fault injected (tests): eager
+//                                                        // writes are not sent, and their
+//                                                        // acknowledgements are taken as lost
 // Optionally, lists (OpCtx::pages; the CUDA IPC domain has them):
 //   bool takes_lists(uint64_t rkey) const;               // a paged request to rkey may come
 //                                                        // as lists (asked from any thread)
@@ -102,6 +108,7 @@
 
 #include "closed.hpp"
 #include "counters.hpp"
+#include "cuda.hpp"
 #include "mpsc_queue.hpp"
 #include "reconcile.hpp"
 #include "region_table.hpp"
@@ -331,6 +338,9 @@ struct OpCtx {
     // only on NIC 0, whose work requests are never retried on another NIC one by one.
     uint32_t pages = 0;
     uint32_t first_page = 0;
+    // An eager write (Engine::post_eager): the nonce of the frame that carries it, until the
+    // target's acknowledgement (or a failure) reports it. 0: a write the provider carries.
+    uint64_t eager = 0;
 };
 
 // Work requests an op stands for (a list op: its pages) and the bytes it moves.
@@ -455,6 +465,8 @@ struct EngineStats {
     uint64_t landed_unacked = 0;  // of those: counted at the target although they failed here
     uint64_t makeups = 0;      // imm-only writes posted for lost WriteImms that had not landed
     uint64_t unreconciled = 0;    // lost WriteImms failed: the counts could not tell
+    uint64_t eager_writes = 0;    // writes sent as eager frames (Engine::post_eager)
+    uint64_t eager_landed = 0;    // as a target: eager writes it applied
 };
 
 template <class Domain>
@@ -494,6 +506,10 @@ class Engine {
         poke_ready_.assign(nics_.size(), 0);
         self_address_ = nics_[0]->address();
         LocalEndpoints::instance().add(self_address_);
+        {  // eager writes: what NIC 0's domain allows, as far as a frame holds it
+            const size_t head = 2 + std::min<size_t>(self_address_.size(), 255) + sizeof(uint64_t) + kEagerHead;
+            eager_max_ = frame_ > head ? std::min(eager_max_of(*nics_[0], 0), frame_ - head) : 0;
+        }
         attrib_.resize(nics_.size());
         unattributed_.assign(nics_.size(), 0);
         nic_sender_.assign(nics_.size(), nullptr);
@@ -538,9 +554,11 @@ class Engine {
     void note_region(uint32_t nic, uint64_t key, uint64_t ptr, uint64_t len, bool writable) {
         if (nic >= nics_.size()) return;
         uint64_t base = nics_[nic]->virt_addr() ? ptr : 0;
+        // (NIC 0: eager writes to it are copied by this engine, into host memory only)
+        bool host = nic != 0 || !cuda::is_device_pointer(reinterpret_cast<const void*>(ptr));
         std::lock_guard<std::mutex> lock(access_mu_);
         if (access_.size() < nics_.size()) access_.resize(nics_.size());
-        access_[nic][key] = AccessEntry{base, len, writable};
+        access_[nic][key] = AccessEntry{base, len, writable, ptr, host};
     }
 
     void forget_region(uint32_t nic, uint64_t key) {
@@ -763,6 +781,8 @@ class Engine {
         s.landed_unacked = landed_unacked_.load();
         s.makeups = makeups_.load();
         s.unreconciled = unreconciled_.load();
+        s.eager_writes = eager_writes_.load();
+        s.eager_landed = eager_landed_.load();
         return s;
     }
 
@@ -1136,7 +1156,9 @@ class Engine {
         InProgress timed(progress_since_ns_, now_);
         bool busy = intake();
         busy |= post_pending();
+        if (!acks_.empty()) busy |= flush_acks();
         busy |= poll_all();
+        if (!eager_dropped_.empty()) busy |= fail_dropped_eager();
         chores_ = !pongs_.empty();
         if (chores_) answer_fences();
         if (now_ - last_tick_ >= kTick || !fences_.empty()) {
@@ -1144,7 +1166,9 @@ class Engine {
             tick();
         }
         publish();
-        work_left_.store(inflight_ > 0, std::memory_order_relaxed);
+        // (eager writes waiting for their acknowledgement are not work for the worker: the
+        // target sends it at its next step, and whoever polls here next reads it)
+        work_left_.store(inflight_ > eager_out_.size(), std::memory_order_relaxed);
         return busy;
     }
 
@@ -1520,7 +1544,9 @@ class Engine {
             if (counted) ps.inbound->fetch_sub(1, std::memory_order_seq_cst);
             return kGone;
         }
-        int rc = op.pages ? post_list(*nics_[n], w, r, op, 0) : nics_[n]->post_write(w, &op);
+        int rc = op.pages                  ? post_list(*nics_[n], w, r, op, 0)
+                 : eager_fits(n, w, op)    ? post_eager(w, op, *t.state)
+                                           : nics_[n]->post_write(w, &op);
         if (rc == 0) {
             NicTraffic::bump(traffic_[n].inflight);
             t.state->inflight++;
@@ -1633,7 +1659,7 @@ class Engine {
         void on_write_done(void* ctx) { self->write_done(*static_cast<OpCtx*>(ctx)); }
         void on_send_done(void* ctx) {
             auto* op = static_cast<OpCtx*>(ctx);
-            if (op->kind == 3) {
+            if (op->kind == 3 || op->kind == kEagerFrame) {  // (an eager write waits for its ack)
                 self->release_probe(*op);
                 return;
             }
@@ -1663,6 +1689,13 @@ class Engine {
             if (op->kind == 2) return;  // a receive flushed at close
             if (op->kind == 3) {
                 self->probe_failed(*op, status, message);
+                return;
+            }
+            if (op->kind == kEagerFrame) {  // the frame of an eager write: the write fails with it
+                const uint64_t nonce = op->dst_off;
+                self->release_probe(*op);
+                OpCtx* write = self->take_eager(nonce);
+                if (write != nullptr) on_error(write, dropped ? int32_t(kConnectionDropped) : status, message);
                 return;
             }
             if (op->kind == 0) {
@@ -1923,6 +1956,10 @@ class Engine {
                     send_or_queue(kFrameAccessAnswer, from, nonce, access_answer(extra, elen));
                 } else if (buf[0] == kFrameAccessAnswer) {
                     got_access_answer(from, nonce, extra, elen);
+                } else if (buf[0] == kFrameWrite) {
+                    got_eager_write(from, nonce, extra, elen);
+                } else if (buf[0] == kFrameWriteAck) {
+                    got_eager_acks(from, extra, elen);
                 } else if (buf[0] == kFrameQuery && elen >= 1) {
                     queries_.push_back(Query{from, nonce, uint8_t(extra[0])});
                 } else if (buf[0] == kFrameCounts && it != peer_state_.end()) {
@@ -1934,6 +1971,275 @@ class Engine {
             }
         }
         nics_[0]->post_recv(recv_buf(op.src), frame_, recv_desc_, &op);
+    }
+
+    // --- eager writes ------------------------------------------------------------------
+    // Where NIC 0's domain allows it (eager_write_max(): fabric-efa on tcp;ofi_rxm), a lone
+    // write of up to that many bytes (the one work request of its request) goes as a control
+    // frame instead: its bytes, key, remote address and imm. The target's engine checks the
+    // key and range against its own registrations (note_region), copies the bytes into the
+    // region, counts the imm, and acknowledges the frame; the write completes when that
+    // acknowledgement comes, so its bytes are in place as for a delivery-complete write. On
+    // tcp a delivery-complete write costs an acknowledgement that the target's provider sends
+    // before it reports the imm there, and that the writer reads before anything behind it:
+    // both on a round trip's path. The engine's acknowledgement leaves after the imm is
+    // counted, at the target's next step (flush_acks), and several writes' go in one frame.
+    // A refusal comes back in the acknowledgement (RemoteAccessError, the same text as an
+    // access check's), not as a dropped connection. An eager write whose frame the transport
+    // fails, whose peer's connection state is reset (evict: lost, or suspected after a
+    // transport failure), or that waits past eager_wait() for its acknowledgement fails as
+    // a write cancelled with its connection would (kConnectionDropped: the target is asked
+    // whether it would have taken it). Its bytes may then have landed, as for any write
+    // that fails.
+    //
+    // Frame: [kFrameWrite][address length][writer's NIC 0 address][nonce][rkey][raddr]
+    // [has imm: 1][imm: 4][bytes]. Acknowledgement: [kFrameWriteAck][address][nonce: 0] and
+    // per write [nonce][known][writable][host][base][length] (what the target has under the
+    // key, as access_answer says: the writer words a refusal itself, with refusal_text).
+    static constexpr size_t kEagerHead = 2 * sizeof(uint64_t) + 1 + sizeof(uint32_t);
+    static constexpr size_t kAckEntry = sizeof(uint64_t) + 3 + 2 * sizeof(uint64_t);
+    static constexpr int kEagerFrame = 4;  // OpCtx::kind of an eager write's frame (its send)
+    static constexpr auto kEagerWaitMin = std::chrono::seconds(1);
+    static constexpr auto kEagerWaitMax = std::chrono::seconds(60);
+
+    struct EagerOut {
+        OpCtx* op;
+        PeerState* peer;
+        Clock::time_point sent;
+    };
+    struct EagerDrop {
+        OpCtx* op;
+        int32_t status;
+        std::string message;
+    };
+
+    template <class D>
+    static auto eager_max_of(const D& d, int) -> decltype(size_t(d.eager_write_max())) {
+        return d.eager_write_max();
+    }
+    template <class D>
+    static size_t eager_max_of(const D&, long) {
+        return 0;
+    }
+
+    template <class D>
+    static auto nic_down_of(const D& d, int) -> decltype(bool(d.nic_down())) {
+        return d.nic_down();
+    }
+    template <class D>
+    static bool nic_down_of(const D&, long) {
+        return false;
+    }
+
+    bool eager_fits(uint32_t n, const WriteOp& w, const OpCtx& op) const {
+        return n == 0 && w.len > 0 && w.len <= eager_max_ && !w.batch && op.mode == OpCtx::kAsPlanned &&
+               !free_slots_.empty() && !nic_down_of(*nics_[0], 0);
+    }
+
+    // Sends ``op`` (a write on NIC 0, ``w`` as the domain would have had it) as an eager
+    // frame to ``p``; the domain's post_send's result.
+    int post_eager(const WriteOp& w, OpCtx& op, PeerState& p) {
+        const uint64_t nonce = ++eager_nonce_;
+        OpCtx* f = new_probe();
+        f->kind = kEagerFrame;
+        f->dst_off = nonce;
+        f->src = uint64_t(free_slots_.back()) + 1;
+        free_slots_.pop_back();
+        char* slot = send_slot(f->src - 1);
+        const size_t alen = std::min<size_t>(self_address_.size(), 255);
+        char* at = slot;
+        *at++ = kFrameWrite;
+        *at++ = static_cast<char>(alen);
+        std::memcpy(at, self_address_.data(), alen);
+        at += alen;
+        std::memcpy(at, &nonce, sizeof(nonce));
+        at += sizeof(nonce);
+        std::memcpy(at, &w.rkey, sizeof(w.rkey));
+        at += sizeof(w.rkey);
+        std::memcpy(at, &w.raddr, sizeof(w.raddr));
+        at += sizeof(w.raddr);
+        *at++ = w.has_imm ? 1 : 0;
+        std::memcpy(at, &w.imm, sizeof(w.imm));
+        at += sizeof(w.imm);
+        std::memcpy(at, w.src, static_cast<size_t>(w.len));
+        at += w.len;
+        int rc = nics_[0]->post_send(slot, static_cast<size_t>(at - slot), send_desc_, w.peer, f);
+        if (rc != 0) {
+            release_probe(*f);
+            return rc;
+        }
+        eager_out_.emplace(nonce, EagerOut{&op, &p, now_});
+        op.eager = nonce;
+        NicTraffic::bump(eager_writes_);
+        return 0;
+    }
+
+    // The eager write of frame ``nonce``, no longer waited for; null if it was not (answered,
+    // or failed, already).
+    OpCtx* take_eager(uint64_t nonce) {
+        auto it = eager_out_.find(nonce);
+        if (it == eager_out_.end()) return nullptr;
+        OpCtx* op = it->second.op;
+        eager_out_.erase(it);
+        op->eager = 0;
+        return op;
+    }
+
+    // A target's side: an eager write from ``from``, applied (or refused) and acknowledged.
+    void got_eager_write(const std::string& from, uint64_t nonce, const char* extra, size_t elen) {
+        if (elen < kEagerHead) return;  // malformed: its writer's wait runs out
+        uint64_t rkey, raddr;
+        uint32_t imm;
+        std::memcpy(&rkey, extra, sizeof(rkey));
+        std::memcpy(&raddr, extra + 8, sizeof(raddr));
+        const bool has_imm = extra[16] != 0;
+        std::memcpy(&imm, extra + 17, sizeof(imm));
+        const char* bytes = extra + kEagerHead;
+        const uint64_t len = elen - kEagerHead;
+        char entry[kAckEntry] = {};
+        std::memcpy(entry, &nonce, sizeof(nonce));
+        bool landed = false;
+        {
+            // (held over the copy: a region is forgotten before it is deregistered, so no copy
+            // reaches memory its owner got back)
+            std::lock_guard<std::mutex> lock(access_mu_);
+            const AccessEntry* found = nullptr;
+            if (!access_.empty()) {
+                auto it = access_[0].find(rkey);
+                if (it != access_[0].end()) found = &it->second;
+            }
+            if (found != nullptr) {
+                const AccessEntry& e = *found;
+                entry[8] = 1;
+                entry[9] = e.writable ? 1 : 0;
+                entry[10] = e.host ? 1 : 0;
+                std::memcpy(entry + 11, &e.base, sizeof(e.base));
+                std::memcpy(entry + 19, &e.len, sizeof(e.len));
+                if (e.host && !refuses(true, e.writable, e.base, e.len, raddr, len)) {
+                    std::memcpy(reinterpret_cast<char*>(e.ptr) + (raddr - e.base), bytes, static_cast<size_t>(len));
+                    landed = true;
+                }
+            }
+        }
+        if (landed) {
+            NicTraffic::bump(eager_landed_);
+            if (has_imm) {  // (as NIC 0's domain reports an imm)
+                imm_counts_[imm]++;
+                NicTraffic::bump(traffic_[0].imms);
+            }
+        }
+        acks_[from].append(entry, kAckEntry);
+    }
+
+    // Sends the acknowledgements due, one frame per writer (more where they do not fit one);
+    // those the provider cannot take now stay for the next step. Whether any went. Called by
+    // the next step after the one that applied the writes (before its polls), and by an
+    // inline submit after it posted: so a target's waiter that polled an eager write itself
+    // returns as soon as it counted its imm, and an answer it then sends leaves before the
+    // acknowledgement. The acknowledgement does not wake a napping worker (spinning(): it is
+    // not work in flight); it waits at most for the worker's nap, or the next waiter's step.
+    // Waking it cost the round trip twice the time on the 2-core machine: the woken worker
+    // then polled on beside the waiters of both sides, on two CPUs (forward leg 25-37 us
+    // against 8.7 for a delivery-complete write; docs/backends/efa.md).
+    bool flush_acks() {
+        bool sent = false;
+        const size_t head = 2 + std::min<size_t>(self_address_.size(), 255) + sizeof(uint64_t);
+        const size_t per = frame_ > head ? (frame_ - head) / kAckEntry * kAckEntry : 0;
+        for (auto it = acks_.begin(); it != acks_.end();) {
+            std::string& due = it->second;
+            while (!due.empty() && per > 0) {
+                const size_t take = std::min(due.size(), per);
+                int error = 0;
+                if (send_frame(kFrameWriteAck, it->first, nullptr, &error, 0, false, due.substr(0, take))) {
+                    due.erase(0, take);
+                    sent = true;
+                } else {
+                    if (error != 0 && error != -EAGAIN) due.clear();  // refused: its writer's wait runs out
+                    break;
+                }
+            }
+            it = due.empty() ? acks_.erase(it) : std::next(it);
+        }
+        return sent;
+    }
+
+    // A writer's side: acknowledgements from ``from``.
+    void got_eager_acks(const std::string& from, const char* extra, size_t elen) {
+        Sink sink{this, 0};
+        for (size_t at = 0; at + kAckEntry <= elen; at += kAckEntry) {
+            const char* e = extra + at;
+            uint64_t nonce, base, rlen;
+            std::memcpy(&nonce, e, sizeof(nonce));
+            auto it = eager_out_.find(nonce);
+            if (it == eager_out_.end() || it->second.peer->address != from) continue;  // failed already
+            OpCtx* op = take_eager(nonce);
+            const bool known = e[8] != 0, writable = e[9] != 0, host = e[10] != 0;
+            std::memcpy(&base, e + 11, sizeof(base));
+            std::memcpy(&rlen, e + 19, sizeof(rlen));
+            const Request& r = *op->request;
+            const Target& t = *r.targets[op->target];
+            const uint64_t raddr = (nics_[0]->virt_addr() ? t.remote_base : 0) + op->dst_off;
+            std::string why = refusal_text(known, writable, base, rlen, raddr, op->len, t.rkeys[0], 0);
+            if (nic_down_of(*nics_[0], 0)) {  // (as the domain reports its writes then)
+                sink.on_error(op, kTransport, "NIC down (injected): acknowledgement lost");
+            } else if (!why.empty()) {
+                sink.on_error(op, kRemoteAccess, why);
+            } else if (!host) {
+                sink.on_error(op, kTransport,
+                              "the target's region is device memory, which an eager write cannot reach (its "
+                              "writer's efa_eager_max must be 0 for it)");
+            } else {
+                sink.on_write_done(op);  // (may free the op's request: not touched after)
+            }
+        }
+    }
+
+    // ``p``'s connection state goes (evict): its eager writes waiting for an acknowledgement
+    // fail at the end of this step (fail_dropped_eager), as writes its connection took along.
+    void drop_eager(PeerState& p, const char* why) {
+        if (eager_out_.empty()) return;
+        for (auto it = eager_out_.begin(); it != eager_out_.end();) {
+            if (it->second.peer != &p) {
+                ++it;
+                continue;
+            }
+            OpCtx* op = it->second.op;
+            op->eager = 0;
+            eager_dropped_.push_back(EagerDrop{op, p.lost ? int32_t(kPeerUnreachable) : int32_t(kConnectionDropped),
+                                               std::string("eager write not acknowledged: ") + why});
+            it = eager_out_.erase(it);
+        }
+    }
+
+    bool fail_dropped_eager() {
+        std::vector<EagerDrop> dropped;
+        dropped.swap(eager_dropped_);
+        Sink sink{this, 0};
+        for (auto& d : dropped) sink.on_error(d.op, d.status, d.message);
+        return !dropped.empty();
+    }
+
+    // How long an eager write waits for its acknowledgement: as long as a liveness probe.
+    Clock::duration eager_wait() const {
+        return std::clamp<Clock::duration>(probe_timeout_, kEagerWaitMin, kEagerWaitMax);
+    }
+
+    // tick: eager writes unacknowledged past eager_wait() (a frame lost with a connection
+    // the transport replaced unseen) fail.
+    void eager_tick() {
+        const auto wait = eager_wait();
+        for (auto it = eager_out_.begin(); it != eager_out_.end();) {
+            if (now_ - it->second.sent < wait) {
+                ++it;
+                continue;
+            }
+            OpCtx* op = it->second.op;
+            op->eager = 0;
+            eager_dropped_.push_back(EagerDrop{op, int32_t(kConnectionDropped),
+                                               "eager write not acknowledged within " +
+                                                   std::to_string(std::chrono::duration<double>(wait).count()) + " s"});
+            it = eager_out_.erase(it);
+        }
     }
 
     // --- access checks -----------------------------------------------------------------
@@ -2670,6 +2976,7 @@ class Engine {
     }
 
     void evict(PeerState& p) {
+        drop_eager(p, p.lost ? "peer lost" : "its connection was reset");
         for (uint32_t n = 0; n < nics_.size(); n++) {
             const std::string& a = n == 0 ? p.address : (n < p.nic_addrs.size() ? p.nic_addrs[n] : std::string());
             if (!a.empty()) forget_address(n, a);
@@ -2757,6 +3064,7 @@ class Engine {
         if (!outbox_.empty()) flush_outbox();
         if (nics_.size() > 1) nic_loss_tick();
         if (!access_checks_.empty()) access_tick();
+        if (!eager_out_.empty()) eager_tick();
         // fence() probes: sent, and sent again every kFenceRetry until answered (a connection
         // the transport tore down loses what was queued on it: the probe is then retried on a
         // fresh one, its state reset by the failure).
@@ -2956,7 +3264,9 @@ class Engine {
             bool theirs = closing_here && now < inbound_deadline && inbound.outstanding(self_address_) > 0;
             if (!own && !theirs) break;
             post_pending();
+            if (!acks_.empty()) flush_acks();
             poll_all();
+            if (!eager_dropped_.empty()) fail_dropped_eager();
             if (!own) std::this_thread::yield();  // the senders reap on threads of their own
         }
         // this engine's own writes still under way are reaped by no one now: their targets
@@ -2968,6 +3278,9 @@ class Engine {
         for (auto& q : pending_) q.clear();
         for (auto& park : parked_) park.clear();
         access_checks_.clear();  // (their requests fail below)
+        eager_out_.clear();  // (so do those of eager writes)
+        eager_dropped_.clear();
+        acks_.clear();
         for (auto& [id, r] : live_) {
             if (!r->abandoned) ready_.push_back(Completion{id, kClosed, "engine closed with this transfer in flight"});
             r->abandoned = true;
@@ -3038,7 +3351,8 @@ class Engine {
     char* send_slot(size_t i) { return send_arena_.data() + i * frame_; }
     static constexpr char kFrameUser = 0, kFramePing = 1, kFramePong = 2, kFrameHello = 3, kFrameHelloAck = 4,
                           kFrameQuery = 5, kFrameCounts = 6, kFramePathReset = 7, kFramePoke = 8,
-                          kFrameAccess = 9, kFrameAccessAnswer = 10;  // 11: kFrameDeliveryMarker
+                          kFrameAccess = 9, kFrameAccessAnswer = 10,  // 11: kFrameDeliveryMarker
+                          kFrameWrite = 12, kFrameWriteAck = 13;
 
     static constexpr int kRerouted = 1;  // post(): the op moved to another NIC's queue
     static constexpr int kCapped = 2;    // post(): its peer has the queue depth's worth posted
@@ -3165,9 +3479,18 @@ class Engine {
     struct AccessEntry {
         uint64_t base = 0, len = 0;
         bool writable = false;
+        uint64_t ptr = 0;   // where the region is in this process
+        bool host = true;   // host memory (eager writes: copied with memcpy)
     };
     std::mutex access_mu_;
     std::vector<std::unordered_map<uint64_t, AccessEntry>> access_;
+    // eager writes (post_eager): the largest (0: none), the frames out by nonce, those to fail
+    // at the end of the step, and as a target the acknowledgements due, per writer's address
+    size_t eager_max_ = 0;
+    uint64_t eager_nonce_ = 0;
+    std::unordered_map<uint64_t, EagerOut> eager_out_;
+    std::vector<EagerDrop> eager_dropped_;
+    std::unordered_map<std::string, std::string> acks_;
     struct OutFrame {
         char type;
         std::string to;
@@ -3232,6 +3555,7 @@ class Engine {
     std::atomic<uint64_t> posted_{0}, completed_{0}, bytes_{0}, eagain_{0};
     std::atomic<uint64_t> probes_{0}, peers_lost_{0}, timeouts_{0}, retries_{0};
     std::atomic<uint64_t> reconciled_{0}, landed_unacked_{0}, makeups_{0}, unreconciled_{0};
+    std::atomic<uint64_t> eager_writes_{0}, eager_landed_{0};
     std::thread worker_;
 };
 

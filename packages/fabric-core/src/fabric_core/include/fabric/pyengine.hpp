@@ -330,6 +330,8 @@ class PyEngine {
         d["landed_unacked"] = s.landed_unacked;
         d["makeups"] = s.makeups;
         d["unreconciled"] = s.unreconciled;
+        d["eager_writes"] = s.eager_writes;
+        d["eager_landed"] = s.eager_landed;
         return d;
     }
 
