@@ -1999,6 +1999,9 @@ class Engine {
     static constexpr size_t kEagerHead = 2 * sizeof(uint64_t) + 1 + sizeof(uint32_t);
     static constexpr size_t kAckEntry = sizeof(uint64_t) + 3 + 2 * sizeof(uint64_t);
     static constexpr int kEagerFrame = 4;  // OpCtx::kind of an eager write's frame (its send)
+    // send slots eager writes leave to the control channel (probes, acknowledgements): past
+    // them a write goes through the provider
+    static constexpr size_t kEagerSlotReserve = 8;
     static constexpr auto kEagerWaitMin = std::chrono::seconds(1);
     static constexpr auto kEagerWaitMax = std::chrono::seconds(60);
 
@@ -2033,7 +2036,7 @@ class Engine {
 
     bool eager_fits(uint32_t n, const WriteOp& w, const OpCtx& op) const {
         return n == 0 && w.len > 0 && w.len <= eager_max_ && !w.batch && op.mode == OpCtx::kAsPlanned &&
-               !free_slots_.empty() && !nic_down_of(*nics_[0], 0);
+               free_slots_.size() > kEagerSlotReserve && !nic_down_of(*nics_[0], 0);
     }
 
     // Sends ``op`` (a write on NIC 0, ``w`` as the domain would have had it) as an eager
