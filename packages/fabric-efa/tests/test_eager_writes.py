@@ -140,6 +140,7 @@ def test_a_refused_eager_write_is_a_remote_access_error_that_changes_nothing() -
         assert _eager(target)[1] == 0
         writer.submit_write(src_mr, 0, 16, dst_mr.descriptor, 0, imm=9).wait(T)
         counter.wait(1, timeout=T)
+        assert (writer.dump_state()["eager_waiting"], target.dump_state()["acks_due"]) == (0, 0)
         time.sleep(0.05)
         assert counter.value == 0  # the refused ones' imms never counted
         assert (dst[:16] == 7).all() and not dst[16:].any()
@@ -167,10 +168,13 @@ def test_an_eager_write_to_a_stopped_target_fails_within_its_wait_and_lands_once
         try:
             started = time.monotonic()
             t = writer.submit_write(src_mr, 0, 16, dst_mr.descriptor, 16, imm=3)
+            time.sleep(0.2)
+            assert writer.dump_state()["eager_waiting"] == 1  # (a hang's dump says what waits)
             with pytest.raises(PeerUnreachable):
                 t.wait(10.0)
             took = time.monotonic() - started
             assert 0.9 < took < 8.0, took
+            assert writer.dump_state()["eager_waiting"] == 0
             assert not dst[16:32].any()
         finally:
             os.kill(target.pid, signal.SIGCONT)

@@ -434,6 +434,8 @@ struct EngineDump {
     std::vector<size_t> unposted_per_nic;
     uint64_t pokes_sent = 0;  // see Engine::poke
     uint64_t paths_cut = 0;   // connections reset on paths lost in silence (PathState::cut_until)
+    size_t eager_waiting = 0;  // eager writes sent and waiting for their acknowledgement
+    size_t acks_due = 0;       // as a target: eager writes applied, their acknowledgements not yet sent
     // per NIC (0 for NIC 0): imms its domain reported without a source, and imms no sender's
     // counts took (Engine::attribute)
     std::vector<uint64_t> imms_without_source, imms_unattributed;
@@ -983,6 +985,9 @@ class Engine {
         }
         out.pokes_sent = pokes_sent_;
         out.paths_cut = paths_cut_;
+        out.eager_waiting = eager_out_.size();
+        out.acks_due = 0;
+        for (const auto& [to, due] : acks_) out.acks_due += due.size() / kAckEntry;
         out.imms_without_source = sourceless_;
         out.imms_unattributed = unattributed_;
         out.counter_spinners = spinners_.load(std::memory_order_seq_cst);

@@ -452,6 +452,8 @@ class PyEngine {
             d["unposted_per_nic"] = e.unposted_per_nic;
             d["pokes_sent"] = e.pokes_sent;
             d["paths_cut"] = e.paths_cut;
+            d["eager_waiting"] = e.eager_waiting;
+            d["acks_due"] = e.acks_due;
             d["imms_without_source"] = e.imms_without_source;
             d["imms_unattributed"] = e.imms_unattributed;
             d["counter_spinners"] = e.counter_spinners;
