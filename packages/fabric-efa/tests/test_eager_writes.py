@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from fabric_core.errors import PeerUnreachable, RemoteAccessError
-from fabric_core.models import MemoryRegionDescriptor
 from fabric_core.settings import load_settings
+from fabric_core.testing.conformance import _forged
 from fabric_core.testing.remote import RemoteEngine, WorkerPool, stop_process
 from fabric_efa import EfaBackend
 from fabric_efa.engine import EfaEngine
@@ -39,11 +39,6 @@ def _engine(provider: str = TCP, **extra: object) -> EfaEngine:
     if not probe.available:
         pytest.skip(probe.reason)
     return EfaEngine(settings)
-
-
-def _forged(desc: MemoryRegionDescriptor, **update: object) -> MemoryRegionDescriptor:
-    """``desc`` with fields changed, well-formed and checksummed (as an attacker writes it)."""
-    return MemoryRegionDescriptor.from_bytes(desc.model_copy(update=update).to_bytes())
 
 
 def _eager(e: EfaEngine) -> tuple[int, int]:

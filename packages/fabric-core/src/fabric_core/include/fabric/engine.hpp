@@ -338,9 +338,6 @@ struct OpCtx {
     // only on NIC 0, whose work requests are never retried on another NIC one by one.
     uint32_t pages = 0;
     uint32_t first_page = 0;
-    // An eager write (Engine::post_eager): the nonce of the frame that carries it, until the
-    // target's acknowledgement (or a failure) reports it. 0: a write the provider carries.
-    uint64_t eager = 0;
 };
 
 // Work requests an op stands for (a list op: its pages) and the bytes it moves.
@@ -2077,7 +2074,6 @@ class Engine {
             return rc;
         }
         eager_out_.emplace(nonce, EagerOut{&op, &p, now_});
-        op.eager = nonce;
         NicTraffic::bump(eager_writes_);
         return 0;
     }
@@ -2089,7 +2085,6 @@ class Engine {
         if (it == eager_out_.end()) return nullptr;
         OpCtx* op = it->second.op;
         eager_out_.erase(it);
-        op->eager = 0;
         return op;
     }
 
@@ -2180,7 +2175,8 @@ class Engine {
             std::memcpy(&nonce, e, sizeof(nonce));
             auto it = eager_out_.find(nonce);
             if (it == eager_out_.end() || it->second.peer->address != from) continue;  // failed already
-            OpCtx* op = take_eager(nonce);
+            OpCtx* op = it->second.op;
+            eager_out_.erase(it);
             const bool known = e[8] != 0, writable = e[9] != 0, host = e[10] != 0;
             std::memcpy(&base, e + 11, sizeof(base));
             std::memcpy(&rlen, e + 19, sizeof(rlen));
@@ -2206,15 +2202,20 @@ class Engine {
     // fail at the end of this step (fail_dropped_eager), as writes its connection took along.
     void drop_eager(PeerState& p, const char* why) {
         if (eager_out_.empty()) return;
+        drop_eager_where([&](const EagerOut& e) { return e.peer == &p; },
+                         p.lost ? int32_t(kPeerUnreachable) : int32_t(kConnectionDropped),
+                         std::string("eager write not acknowledged: ") + why);
+    }
+
+    // Moves the eager writes ``drop`` picks out of eager_out_, to fail with ``status``.
+    template <class Pick>
+    void drop_eager_where(Pick drop, int32_t status, const std::string& message) {
         for (auto it = eager_out_.begin(); it != eager_out_.end();) {
-            if (it->second.peer != &p) {
+            if (!drop(it->second)) {
                 ++it;
                 continue;
             }
-            OpCtx* op = it->second.op;
-            op->eager = 0;
-            eager_dropped_.push_back(EagerDrop{op, p.lost ? int32_t(kPeerUnreachable) : int32_t(kConnectionDropped),
-                                               std::string("eager write not acknowledged: ") + why});
+            eager_dropped_.push_back(EagerDrop{it->second.op, status, message});
             it = eager_out_.erase(it);
         }
     }
@@ -2236,18 +2237,9 @@ class Engine {
     // the transport replaced unseen) fail.
     void eager_tick() {
         const auto wait = eager_wait();
-        for (auto it = eager_out_.begin(); it != eager_out_.end();) {
-            if (now_ - it->second.sent < wait) {
-                ++it;
-                continue;
-            }
-            OpCtx* op = it->second.op;
-            op->eager = 0;
-            eager_dropped_.push_back(EagerDrop{op, int32_t(kConnectionDropped),
-                                               "eager write not acknowledged within " +
-                                                   std::to_string(std::chrono::duration<double>(wait).count()) + " s"});
-            it = eager_out_.erase(it);
-        }
+        drop_eager_where([&](const EagerOut& e) { return now_ - e.sent >= wait; }, kConnectionDropped,
+                         "eager write not acknowledged within " +
+                             std::to_string(std::chrono::duration<double>(wait).count()) + " s");
     }
 
     // --- access checks -----------------------------------------------------------------
