@@ -686,6 +686,10 @@ class LibfabricDomain {
                     marker_done(static_cast<Marker*>(err.op_context), sink, status_of(err.err), message);
                     return 1;
                 }
+                if (err.err == FI_ETRUNC && (err.flags & FI_RECV)) {  // a control frame too large
+                    sink.on_recv_truncated(err.op_context);
+                    return 1;
+                }
                 unhold(err.op_context);
                 sink.on_error(err.op_context, status_of(err.err), message);
             }

@@ -41,7 +41,9 @@ class EfaEngine : public fabric::PyEngine<Domain> {
           info_(engine().nic(0).info()),
           cuda_ipc_(engine().nic(0).cuda_ipc()),
           kernel_off_(engine().nic(0).copy_kernel_off()),
-          inbox_off_(engine().nic(0).inbox_off()) {}
+          inbox_off_(engine().nic(0).inbox_off()) {
+        info_.eager_max = engine().eager_max();  // (the domain's, as far as the engine's frames hold it)
+    }
 
     py::dict provider_info() const {
         py::dict d;

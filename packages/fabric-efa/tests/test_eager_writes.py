@@ -184,3 +184,46 @@ def test_an_eager_write_to_a_stopped_target_fails_within_its_wait_and_lands_once
     finally:
         target.close()
         writer.close()
+
+
+def test_a_target_with_a_smaller_max_send_size_still_takes_the_largest_eager_writes() -> None:
+    """Every engine's receive buffers hold the largest eager frame (kFrameFloor), whatever its
+    max_send_size: before, a target set below its writer truncated each such frame, nothing
+    answered it, and the write waited out its acknowledgement."""
+    with _engine(efa_eager_max=16384) as writer, _engine(max_send_size=64) as target:
+        assert writer.provider_info["eager_max"] == 16384
+        src = np.random.default_rng(3).integers(1, 256, 16384, dtype=np.uint8)
+        dst = np.zeros(16384 + 64, dtype=np.uint8)
+        src_mr, dst_mr = writer.register(src), target.register(dst)
+        started = time.monotonic()
+        writer.submit_write(src_mr, 0, 16384, dst_mr.descriptor, 32, imm=9).wait(T)
+        assert time.monotonic() - started < 1.0  # acknowledged, not waited out (1 s at least)
+        assert np.array_equal(dst[32 : 32 + 16384], src)
+        assert not dst[:32].any() and not dst[32 + 16384 :].any()
+        assert target.counter(9).value == 1
+        assert (_eager(writer)[0], _eager(target)[1]) == (1, 1)
+        assert target._core.stats()["frames_truncated"] == 0
+        writer.deregister(src_mr)
+        target.deregister(dst_mr)
+
+
+def test_messages_larger_than_the_receivers_buffers_are_counted_and_keep_no_buffer() -> None:
+    """A control message above the receiver's max_send_size (its sender allows more) is
+    truncated by tcp, which keeps none of it: the receiver counts it and posts the buffer
+    again. Before, each such message cost a buffer for good, and with recv_depth of them the
+    engine heard no control frame again (messages, probes, acknowledgements)."""
+    with _engine() as sender, _engine(max_send_size=64, recv_depth=2) as receiver:
+        big = bytes(range(256)) * 100  # 25,600 bytes: above the receiver's 16.7 KiB buffers
+        for _ in range(5):
+            sender.submit_send(receiver.address, big).wait(T)
+        sender.submit_send(receiver.address, b"after").wait(T)
+        assert bytes(receiver.recv(T).data) == b"after"
+        assert receiver._core.stats()["frames_truncated"] == 5
+        # and the eager path, which needs the receiver's acknowledgements, still works
+        src = np.full(100, 7, dtype=np.uint8)
+        dst = np.zeros(100, dtype=np.uint8)
+        src_mr, dst_mr = sender.register(src), receiver.register(dst)
+        sender.submit_write(src_mr, 0, 100, dst_mr.descriptor, 0).wait(T)
+        assert (dst == 7).all() and _eager(sender)[0] == 1
+        sender.deregister(src_mr)
+        receiver.deregister(dst_mr)

@@ -502,6 +502,7 @@ class CudaIpcDomain : public Inner {
         }
         void on_send_done(void* ctx) { sink.on_send_done(ctx); }
         void on_recv(void* ctx, size_t len) { sink.on_recv(ctx, len); }
+        void on_recv_truncated(void* ctx) { sink.on_recv_truncated(ctx); }
         void on_imm(uint32_t imm, uint64_t src) { sink.on_imm(imm, src); }
         void on_imms(uint32_t imm, uint64_t src, uint32_t count) { sink.on_imms(imm, src, count); }
     };

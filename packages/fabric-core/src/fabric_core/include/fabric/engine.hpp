@@ -466,6 +466,7 @@ struct EngineStats {
     uint64_t unreconciled = 0;    // lost WriteImms failed: the counts could not tell
     uint64_t eager_writes = 0;    // writes sent as eager frames (Engine::post_eager)
     uint64_t eager_landed = 0;    // as a target: eager writes it applied
+    uint64_t frames_truncated = 0;  // control frames larger than this engine's receive buffers
 };
 
 template <class Domain>
@@ -483,7 +484,7 @@ class Engine {
           peers_(nics_.size()),
           recv_depth_(recv_depth),
           max_send_(max_send),
-          frame_(max_send + 1) {
+          frame_(std::max(max_send + 1, kFrameFloor)) {
         // Control messages move through registered buffers on NIC 0: receive buffers, and a
         // pool of send slots the payloads are copied into when posted (FI_MR_LOCAL).
         // Every control frame starts with a type byte (kFrameUser, kFramePing, kFramePong).
@@ -507,7 +508,7 @@ class Engine {
         LocalEndpoints::instance().add(self_address_);
         {  // eager writes: what NIC 0's domain allows, as far as a frame holds it
             const size_t head = 2 + std::min<size_t>(self_address_.size(), 255) + sizeof(uint64_t) + kEagerHead;
-            eager_max_ = frame_ > head ? std::min(eager_max_of(*nics_[0], 0), frame_ - head) : 0;
+            eager_max_ = std::min({eager_max_of(*nics_[0], 0), frame_ - head, kEagerLimit});
         }
         attrib_.resize(nics_.size());
         unattributed_.assign(nics_.size(), 0);
@@ -542,6 +543,9 @@ class Engine {
     Engine& operator=(const Engine&) = delete;
 
     size_t num_nics() const { return nics_.size(); }
+    // The largest write sent as an eager frame (post_eager; 0: none): NIC 0's domain's limit,
+    // as far as this engine's frames hold it.
+    size_t eager_max() const { return eager_max_; }
     Domain& nic(size_t i) { return *nics_.at(i); }
     CounterTable& counters() { return *counters_; }
 
@@ -782,6 +786,7 @@ class Engine {
         s.unreconciled = unreconciled_.load();
         s.eager_writes = eager_writes_.load();
         s.eager_landed = eager_landed_.load();
+        s.frames_truncated = frames_truncated_.load();
         return s;
     }
 
@@ -1668,6 +1673,9 @@ class Engine {
             self->finish_op(*op);
         }
         void on_recv(void* ctx, size_t len) { self->got_message(*static_cast<OpCtx*>(ctx), len); }
+        // A control receive the provider truncated: a frame larger than the buffer (a domain
+        // that cannot tell reports it through on_error, and the buffer is not posted again).
+        void on_recv_truncated(void* ctx) { self->got_truncated(*static_cast<OpCtx*>(ctx)); }
         // ``src``: the source's peer handle on this NIC where the domain reports it (kNoSource
         // otherwise); imms arriving on NICs > 0 are attributed to their sender for NIC loss.
         void on_imm(uint32_t imm, uint64_t src) {
@@ -1975,6 +1983,18 @@ class Engine {
         nics_[0]->post_recv(recv_buf(op.src), frame_, recv_desc_, &op);
     }
 
+    // A control frame larger than this engine's receive buffers (its sender runs a larger
+    // max_send_size and sent a message above this one's): counted, and its buffer posted
+    // again. Before, each such frame cost a buffer for good, and recv_depth of them left the
+    // engine deaf to every control frame (probes, answers, acknowledgements). The provider
+    // keeps none of the frame (tcp reports 0 bytes), so its sender is not known here; the
+    // sender's send completed, and a lost message is the application's to notice, as for one
+    // its peer never receives. Engine frames always fit (kFrameFloor).
+    void got_truncated(OpCtx& op) {
+        NicTraffic::bump(frames_truncated_);
+        nics_[0]->post_recv(recv_buf(op.src), frame_, recv_desc_, &op);
+    }
+
     // --- eager writes ------------------------------------------------------------------
     // Where NIC 0's domain allows it (eager_write_max(): fabric-efa on tcp;ofi_rxm), a lone
     // write of up to that many bytes (the one work request of its request) goes as a control
@@ -1999,6 +2019,13 @@ class Engine {
     // per write [nonce][known][writable][host][base][length] (what the target has under the
     // key, as access_answer says: the writer words a refusal itself, with refusal_text).
     static constexpr size_t kEagerHead = 2 * sizeof(uint64_t) + 1 + sizeof(uint32_t);
+    // the most bytes an eager write carries (efa_eager_max's bound: rxm's eager message size)
+    static constexpr size_t kEagerLimit = 16384;
+    // Every engine's receive buffers hold the largest frame an engine sends of its own accord:
+    // an eager write's, with the largest payload and address. A target whose max_send_size is
+    // below its writer's would otherwise truncate its eager frames (the provider keeps none
+    // of a truncated frame, so nobody could answer the write: it waited out eager_wait()).
+    static constexpr size_t kFrameFloor = 2 + 255 + sizeof(uint64_t) + kEagerHead + kEagerLimit;
     static constexpr size_t kAckEntry = sizeof(uint64_t) + 3 + 2 * sizeof(uint64_t);
     static constexpr int kEagerFrame = 4;  // OpCtx::kind of an eager write's frame (its send)
     // send slots eager writes leave to the control channel (probes, acknowledgements): past
@@ -2681,11 +2708,7 @@ class Engine {
                                         ") and the peer cannot tell which of its WriteImms it counted");
                     continue;
                 }
-                if (2 + std::min<size_t>(p.address.size(), 255) + 8 + 17 + sizeof(Sums) > frame_) {
-                    fail_path(p, k, "its NIC " + std::to_string(k) + " was lost (" + last_path_error_ +
-                                        ") and max_send_size is too small for the peer's counts (1.3 KiB)");
-                    continue;
-                }
+                static_assert(2 + 255 + 8 + 17 + sizeof(Sums) <= kFrameFloor, "a count answer fits every frame");
                 if (path.querying && now_ - path.query_sent < kFenceRetry) continue;
                 // (asked again with a new nonce; any answer of this round will do: each was
                 // asked once the path was quiet)
@@ -3346,7 +3369,7 @@ class Engine {
     std::vector<std::string> messages_;
     size_t recv_depth_;
     size_t max_send_;
-    size_t frame_;  // a control frame: the type byte and up to max_send_ bytes
+    size_t frame_;  // a control frame: the type byte and up to max_send_ bytes, at least kFrameFloor
     char* recv_buf(size_t i) { return recv_arena_.data() + i * frame_; }
     char* send_slot(size_t i) { return send_arena_.data() + i * frame_; }
     static constexpr char kFrameUser = 0, kFramePing = 1, kFramePong = 2, kFrameHello = 3, kFrameHelloAck = 4,
@@ -3555,7 +3578,7 @@ class Engine {
     std::atomic<uint64_t> posted_{0}, completed_{0}, bytes_{0}, eagain_{0};
     std::atomic<uint64_t> probes_{0}, peers_lost_{0}, timeouts_{0}, retries_{0};
     std::atomic<uint64_t> reconciled_{0}, landed_unacked_{0}, makeups_{0}, unreconciled_{0};
-    std::atomic<uint64_t> eager_writes_{0}, eager_landed_{0};
+    std::atomic<uint64_t> eager_writes_{0}, eager_landed_{0}, frames_truncated_{0};
     std::thread worker_;
 };
 

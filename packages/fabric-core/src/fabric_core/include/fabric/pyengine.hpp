@@ -332,6 +332,7 @@ class PyEngine {
         d["unreconciled"] = s.unreconciled;
         d["eager_writes"] = s.eager_writes;
         d["eager_landed"] = s.eager_landed;
+        d["frames_truncated"] = s.frames_truncated;
         return d;
     }
 
