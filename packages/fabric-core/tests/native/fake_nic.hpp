@@ -39,6 +39,9 @@ struct FakeFabric {
     std::map<std::string, FakeNic*> nics;
     std::function<void(const std::string& to, const std::string& message)> on_send;  // (under mu)
     const bool copies = false;  // its NICs say target_copies(), as shm's do (Engine::run lingers)
+    // > 0: its NICs allow eager writes of up to this many bytes (eager_write_max(), as
+    // fabric-efa's domain on tcp does); set before the engines open
+    size_t eager_max = 0;
 };
 
 class FakeNic {
@@ -61,6 +64,7 @@ class FakeNic {
 
     std::string address() const { return address_; }
     bool target_copies() const { return fabric_.copies; }
+    size_t eager_write_max() const { return fabric_.eager_max; }
     uint64_t insert_peer(const std::string& address) {
         {
             std::lock_guard<std::mutex> lock(fabric_.mu);

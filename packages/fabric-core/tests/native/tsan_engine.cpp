@@ -347,6 +347,104 @@ void test_engine() {
                 static_cast<unsigned long long>(per_nic[1]));
 }
 
+// Eager writes (Engine::post_eager) under many threads: producers submit lone small
+// WriteImms, which go as control frames; the target's engine copies them into the region
+// under access_mu_ and counts their imms while its waiters block and run its progress, and
+// its acknowledgements complete them at the source. Every byte, imm and completion exact.
+void test_eager() {
+    constexpr int kProducers = 3, kRequests = 200, kBytesEach = 48;
+    constexpr size_t kBytes = size_t(kProducers) * kRequests * kBytesEach;
+
+    FakeFabric fabric;
+    fabric.eager_max = 4096;
+    auto target_counters = std::make_shared<CounterTable>();
+    auto source = open_engine(fabric, "eager-source", 1, std::make_shared<CounterTable>(), /*chaos=*/true);
+    auto target = open_engine(fabric, "eager-target", 1, target_counters, /*chaos=*/false);
+    CHECK(source->eager_max() == 4096);
+
+    std::vector<unsigned char> src(kBytes), dst(kBytes + 64, 0);
+    for (size_t i = 0; i < kBytes; i++) src[i] = static_cast<unsigned char>(((i * 37 + i / 97) & 0xff) | 1);
+    auto spec = std::make_shared<fabric::Target>();
+    spec->addresses.push_back(target->nic(0).address());
+    spec->rkeys.push_back(target->nic(0).register_remote(dst.data(), kBytes));
+    spec->remote_base = reinterpret_cast<uint64_t>(dst.data());
+    target->note_region(0, spec->rkeys[0], spec->remote_base, kBytes, true);  // (what the frames are checked against)
+    auto descs = std::make_shared<const std::vector<void*>>(1, nullptr);
+
+    std::atomic<size_t> completed{0};
+    std::thread completer([&] {
+        auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+        while (completed.load() < size_t(kProducers) * kRequests && std::chrono::steady_clock::now() < until) {
+            fabric::Batch b = source->wait_batch(0.05);
+            for (auto& c : b.done) {
+                if (c.status != fabric::kOk) std::fprintf(stderr, "eager request %llu: %d %s\n",
+                                                          static_cast<unsigned long long>(c.id), c.status,
+                                                          c.message.c_str());
+                CHECK(c.status == fabric::kOk);
+                completed.fetch_add(1);
+            }
+        }
+    });
+    std::vector<std::thread> waiters;
+    for (int p = 0; p < kProducers; p++) {
+        waiters.emplace_back([&, p] {
+            for (int r = 0; r < kRequests; r++) {
+                auto w = std::make_shared<CounterTable::Waiter>();
+                w->n = 1;
+                int rc = target_counters->enqueue(uint32_t(200 + p), w);
+                if (rc == fabric::kCountQueued)
+                    rc = target_counters->block(w, std::chrono::steady_clock::now() + std::chrono::seconds(60));
+                CHECK(rc == fabric::kCountOk);
+            }
+        });
+    }
+    std::vector<std::thread> producers;
+    for (int p = 0; p < kProducers; p++) {
+        producers.emplace_back([&, p] {
+            for (int r = 0; r < kRequests; r++) {
+                auto req = std::make_unique<fabric::Request>();
+                req->id = uint64_t(p) * 1000000 + r + 1;
+                req->has_imm = true;
+                req->imm = uint32_t(200 + p);
+                req->src_desc = descs;
+                req->targets.push_back(spec);
+                req->ops.resize(1);
+                size_t at = (size_t(p) * kRequests + r) * kBytesEach;
+                fabric::OpCtx& op = req->ops[0];
+                op.nic = 0;
+                op.target = 0;
+                op.src = reinterpret_cast<uint64_t>(src.data() + at);
+                op.dst_off = at;
+                op.len = kBytesEach;
+                source->submit(std::move(req));
+                if (r % 16 == 15) std::this_thread::sleep_for(std::chrono::microseconds(400));  // (naps)
+            }
+        });
+    }
+    for (auto& t : producers) t.join();
+    for (auto& t : waiters) t.join();
+    completer.join();
+    CHECK(completed.load() == size_t(kProducers) * kRequests);
+    CHECK(std::memcmp(src.data(), dst.data(), kBytes) == 0);
+    for (size_t i = kBytes; i < dst.size(); i++) CHECK(dst[i] == 0);
+    for (int p = 0; p < kProducers; p++) CHECK(target_counters->value(uint32_t(200 + p)) == 0);
+    fabric::EngineStats st = source->stats(), ts = target->stats();
+    // (a write that finds the send slots short, past the control channel's reserve, goes
+    // through the provider instead: a third to two thirds of them here, as the frames wait
+    // for their sends to be reaped)
+    const uint64_t provider = source->nic(0).writes();
+    CHECK(st.eager_writes + provider == uint64_t(kProducers) * kRequests);
+    CHECK(st.eager_writes > 0);
+    CHECK(ts.eager_landed == st.eager_writes);
+    target->forget_region(0, spec->rkeys[0]);
+    source->close();
+    target->close();
+    std::printf("eager: %d threads x %d lone WriteImms of %d bytes (%llu as eager frames, %llu through the "
+                "provider): every byte, imm and completion exact\n",
+                kProducers, kRequests, kBytesEach, static_cast<unsigned long long>(st.eager_writes),
+                static_cast<unsigned long long>(provider));
+}
+
 }  // namespace
 
 int main() {
@@ -354,6 +452,7 @@ int main() {
     test_mpsc();
     test_counters();
     test_engine();
+    test_eager();
     std::printf("all passed in %.1f s\n", Seconds(std::chrono::steady_clock::now() - t0).count());
     return 0;
 }
