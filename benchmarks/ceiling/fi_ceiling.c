@@ -31,6 +31,7 @@
  * host over shm the targets do the copies, and initiators spinning in the provider on a
  * target's queue lock take CPU the copies need; senders and receivers on separate hosts do
  * not compete. `fabric bench rl --sender-nice` runs its trainers at the same value.
+ * With -a [-A N] the target acknowledges the writes itself (see target_acks below).
  * Output: one JSON object per line on stdout.
  */
 #define _GNU_SOURCE
@@ -197,6 +198,14 @@ static void poll_cq(struct node *n, long *tx, long *rx) { poll_cq_out(n, NULL, t
 /* -d: writes complete on delivery (FI_DELIVERY_COMPLETE), the semantics fabric gives a
  * Transfer; the default is the provider's own (transmit complete). */
 static int delivery_complete = 0;
+/* -a: a write counts as done (for the window and the time) once the target's acknowledgement
+ * covers it: a message (fi_inject, its count of remote CQ data so far) the target sends after
+ * a poll that brought its count -A N (default 1) or more past its last acknowledgement, or to
+ * the end. The writes themselves go as without -d. What confirming writes costs when the
+ * target's software does it instead of the provider (FI_DELIVERY_COMPLETE), as an engine
+ * that acknowledged writes itself would (docs/backends/efa.md). Pairs only, bandwidth only. */
+static int target_acks = 0;
+static long ack_every = 1;
 static size_t span = 0; /* -b: bytes the writes cycle through (0: offset 0 only) */
 
 static size_t slot_offset(const struct node *n, size_t size, uint64_t i) {
@@ -257,7 +266,19 @@ static void target(struct node *n, int fd) {
         xfer(fd, &c, sizeof(c), 0);
         if (c.op == CMD_QUIT) return;
         long tx = 0, rx = 0, sent = 0;
-        if (c.op == CMD_BW) {
+        if (c.op == CMD_BW && target_acks) {
+            long acked = 0;
+            while (acked < c.count) {
+                poll_cq(n, &tx, &rx);
+                if (rx > acked && (rx - acked >= ack_every || rx == c.count)) {
+                    uint64_t v = (uint64_t)rx;
+                    ssize_t rc;
+                    while ((rc = fi_inject(n->ep, &v, sizeof(v), n->peer)) == -FI_EAGAIN) poll_cq(n, &tx, &rx);
+                    CHECK(rc);
+                    acked = rx;
+                }
+            }
+        } else if (c.op == CMD_BW) {
             while (rx < c.count) poll_cq(n, &tx, &rx);
         } else {
             while (sent < c.count) { /* echo every imm with one of our own */
@@ -463,10 +484,12 @@ int main(int argc, char **argv) {
     int window = 64, reps = 5, ping_iters = 20000, fan_t = 0, fan_i = 0;
     size_t per_bytes = 0; /* -n; 0: about 1 GiB per repetition (a pair), 256 MiB per initiator (a fan) */
     int opt;
-    while ((opt = getopt(argc, argv, "p:s:w:W:r:l:db:f:n:N:")) != -1) {
+    while ((opt = getopt(argc, argv, "p:s:w:W:r:l:daA:b:f:n:N:")) != -1) {
         switch (opt) {
         case 'p': prov = optarg; break;
         case 'd': delivery_complete = 1; break;
+        case 'a': target_acks = 1; break;
+        case 'A': ack_every = atol(optarg); break;
         case 's': sizes = optarg; break;
         case 'w': window = atoi(optarg); break;
         case 'W': per_target = atoi(optarg); break;
@@ -489,7 +512,7 @@ int main(int argc, char **argv) {
             break;
         default:
             fprintf(stderr,
-                    "usage: %s [-p provider] [-s sizes] [-w window] [-r reps] [-l pingpong iters] [-d] [-b span] [-n bytes per rep] [-N nice]\n"
+                    "usage: %s [-p provider] [-s sizes] [-w window] [-r reps] [-l pingpong iters] [-d] [-a] [-A acks every N] [-b span] [-n bytes per rep] [-N nice]\n"
                     "       %s -f INITIATORS:TARGETS [-n bytes per initiator] [-p provider] [-s sizes] [-w window | -W per target] [-r reps] [-b span] [-N nice]\n",
                     argv[0], argv[0]);
             return 1;
@@ -520,6 +543,16 @@ int main(int argc, char **argv) {
     node_open(&n, prov, maxsize);
     node_connect(&n, fd);
 
+    enum { kAckBufs = 64 };
+    static uint64_t ackbuf[kAckBufs][8];
+    struct fid_mr *ack_mr = NULL;
+    void *ack_desc = NULL;
+    struct fi_context ack_ctx[kAckBufs];
+    if (target_acks) {
+        CHECK(fi_mr_reg(n.domain, ackbuf, sizeof(ackbuf), FI_RECV, 0, 2, 0, &ack_mr, NULL));
+        ack_desc = fi_mr_desc(ack_mr);
+        for (int i = 0; i < kAckBufs; i++) CHECK(fi_recv(n.ep, ackbuf[i], sizeof(ackbuf[i]), ack_desc, n.peer, &ack_ctx[i]));
+    }
     for (const char *p = sizes; *p;) {
         size_t size = strtoull(p, (char **)&p, 10);
         if (*p == ',') p++;
@@ -539,6 +572,32 @@ int main(int argc, char **argv) {
             xfer(fd, &c, sizeof(c), 1);
             long tx = 0, rx = 0, posted = 0, seen = 0;
             double t0 = now_s();
+            if (target_acks) {
+                long acked = 0;
+                while (acked < count || tx < count) {
+                    while (posted - acked < window && posted < count) {
+                        size_t off = slot_offset(&n, size, (uint64_t)posted);
+                        ssize_t rc = post_write_to(&n, size, (uint64_t)posted, n.peer, &n.remote, off, off);
+                        if (rc == -FI_EAGAIN) break;
+                        CHECK(rc);
+                        posted++;
+                    }
+                    struct fi_cq_data_entry e[64];
+                    ssize_t got = fi_cq_read(n.cq, e, 64);
+                    if (got == -FI_EAGAIN) continue;
+                    if (got < 0) { fprintf(stderr, "cq error\n"); return 2; }
+                    for (ssize_t i = 0; i < got; i++) {
+                        if (e[i].flags & FI_RECV) {
+                            int k = (int)((struct fi_context *)e[i].op_context - ack_ctx);
+                            uint64_t v = ackbuf[k][0];
+                            if ((long)v > acked) acked = (long)v;
+                            CHECK(fi_recv(n.ep, ackbuf[k], sizeof(ackbuf[k]), ack_desc, n.peer, &ack_ctx[k]));
+                        } else {
+                            tx++;
+                        }
+                    }
+                }
+            }
             while (posted < count) {
                 while (posted - tx < window && posted < count) {
                     write_imm(&n, size, (uint64_t)posted, &tx, &rx);
@@ -560,9 +619,11 @@ int main(int argc, char **argv) {
          * copies run at once give their aggregate: all their bytes over the union of their times */
         printf("{\"kind\": \"bandwidth\", \"provider\": \"%s\", \"size\": %zu, \"span\": %zu, \"window\": %d, \"writes\": %ld, "
                "\"reps\": %d, \"seconds_median\": %.6f, \"gbytes_per_s\": %.4f, \"mwrites_per_s\": %.4f, "
-               "\"t_start\": %.6f, \"t_end\": %.6f}\n",
+               "\"t_start\": %.6f, \"t_end\": %.6f, \"confirm\": \"%s\", \"acks_every\": %ld}\n",
                prov, size, span, window, count, reps, t, (double)size * (double)count / t / 1e9, (double)count / t / 1e6,
-               first_start, last_end);
+               first_start, last_end,
+               target_acks ? "target_acks" : delivery_complete ? "delivery_complete" : "transmit_complete",
+               target_acks ? ack_every : 0L);
         fflush(stdout);
     }
 

@@ -46,6 +46,24 @@ def test_a_pair_times_every_write_and_the_round_trip(program: Path) -> None:
     assert rtt["iters"] == 50 and 0 < rtt["rtt_us_p50"] <= rtt["rtt_us_p99"]
 
 
+@pytest.mark.parametrize("every", [1, 3])
+def test_a_pair_whose_target_acknowledges_the_writes_counts_every_one(program: Path, every: int) -> None:
+    """-a: a write counts as done once the target's acknowledgement covers it (what
+    benchmarks/confirm_cost.py measures); 1,000 writes a repetition is no multiple of 3, so the
+    last acknowledgement covers a short run. The program exits non-zero where the target's
+    count differs from the writes timed."""
+    rows = _rows(
+        program, "-s", "4096,65536", "-r", "2", "-l", "0", "-a", "-A", str(every), "-n", str(1000 * 4096)
+    )
+    assert [(r["size"], r["confirm"], r["acks_every"]) for r in rows] == [
+        (4096, "target_acks", every),
+        (65536, "target_acks", every),
+    ]
+    assert rows[0]["writes"] == 1000 and all(r["gbytes_per_s"] > 0 for r in rows)
+    (plain,) = _rows(program, "-s", "4096", "-r", "1", "-l", "0", "-n", str(100 * 4096))
+    assert (plain["confirm"], plain["acks_every"]) == ("transmit_complete", 0)
+
+
 @pytest.mark.parametrize(("initiators", "targets"), [(3, 2), (1, 1), (2, 3)])
 def test_a_fan_counts_every_initiators_writes_at_every_target(
     program: Path, initiators: int, targets: int
