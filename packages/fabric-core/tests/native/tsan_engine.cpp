@@ -212,6 +212,40 @@ using fabric_test::FakeEngine;
 using fabric_test::FakeFabric;
 using fabric_test::open_engine;
 
+// Waiter threads on the target's counters: thread p waits ``requests`` times for ``per_request``
+// imms of ``imm_base + p``, blocking (and running the engine's progress itself meanwhile).
+std::vector<std::thread> start_waiters(CounterTable& counters, int threads, int requests, uint32_t imm_base,
+                                       uint64_t per_request) {
+    std::vector<std::thread> waiters;
+    for (int p = 0; p < threads; p++) {
+        waiters.emplace_back([&counters, p, requests, imm_base, per_request] {
+            for (int r = 0; r < requests; r++) {
+                auto w = std::make_shared<CounterTable::Waiter>();
+                w->n = per_request;
+                int rc = counters.enqueue(imm_base + uint32_t(p), w);
+                if (rc == fabric::kCountQueued)
+                    rc = counters.block(w, std::chrono::steady_clock::now() + std::chrono::seconds(60));
+                CHECK(rc == fabric::kCountOk);
+            }
+        });
+    }
+    return waiters;
+}
+
+// A WriteImm request of ``ops`` work requests (their fields left to the caller) to ``spec``.
+std::unique_ptr<fabric::Request> imm_request(uint64_t id, uint32_t imm,
+                                             const std::shared_ptr<const std::vector<void*>>& descs,
+                                             const std::shared_ptr<fabric::Target>& spec, size_t ops) {
+    auto req = std::make_unique<fabric::Request>();
+    req->id = id;
+    req->has_imm = true;
+    req->imm = imm;
+    req->src_desc = descs;
+    req->targets.push_back(spec);
+    req->ops.resize(ops);
+    return req;
+}
+
 void test_engine() {
     constexpr int kNics = 2;
     constexpr int kProducers = 3, kRequests = 160, kOps = 4, kOpBytes = 64;
@@ -269,31 +303,13 @@ void test_engine() {
     });
     // The target's waiters: imm p counts kOps per request of producer p; they block, running
     // the target engine's progress themselves meanwhile.
-    std::vector<std::thread> waiters;
-    for (int p = 0; p < kProducers; p++) {
-        waiters.emplace_back([&, p] {
-            for (int r = 0; r < kRequests; r++) {
-                auto w = std::make_shared<CounterTable::Waiter>();
-                w->n = kOps;
-                int rc = target_counters->enqueue(uint32_t(100 + p), w);
-                if (rc == fabric::kCountQueued)
-                    rc = target_counters->block(w, std::chrono::steady_clock::now() + std::chrono::seconds(60));
-                CHECK(rc == fabric::kCountOk);
-            }
-        });
-    }
+    std::vector<std::thread> waiters = start_waiters(*target_counters, kProducers, kRequests, 100, kOps);
     // The producers.
     std::vector<std::thread> producers;
     for (int p = 0; p < kProducers; p++) {
         producers.emplace_back([&, p] {
             for (int r = 0; r < kRequests; r++) {
-                auto req = std::make_unique<fabric::Request>();
-                req->id = uint64_t(p) * 1000000 + r + 1;
-                req->has_imm = true;
-                req->imm = uint32_t(100 + p);
-                req->src_desc = descs;
-                req->targets.push_back(spec);
-                req->ops.resize(kOps);
+                auto req = imm_request(uint64_t(p) * 1000000 + r + 1, uint32_t(100 + p), descs, spec, kOps);
                 size_t base = (size_t(p) * kRequests + r) * kRequestBytes;
                 for (int i = 0; i < kOps; i++) {
                     fabric::OpCtx& op = req->ops[i];
@@ -385,30 +401,12 @@ void test_eager() {
             }
         }
     });
-    std::vector<std::thread> waiters;
-    for (int p = 0; p < kProducers; p++) {
-        waiters.emplace_back([&, p] {
-            for (int r = 0; r < kRequests; r++) {
-                auto w = std::make_shared<CounterTable::Waiter>();
-                w->n = 1;
-                int rc = target_counters->enqueue(uint32_t(200 + p), w);
-                if (rc == fabric::kCountQueued)
-                    rc = target_counters->block(w, std::chrono::steady_clock::now() + std::chrono::seconds(60));
-                CHECK(rc == fabric::kCountOk);
-            }
-        });
-    }
+    std::vector<std::thread> waiters = start_waiters(*target_counters, kProducers, kRequests, 200, 1);
     std::vector<std::thread> producers;
     for (int p = 0; p < kProducers; p++) {
         producers.emplace_back([&, p] {
             for (int r = 0; r < kRequests; r++) {
-                auto req = std::make_unique<fabric::Request>();
-                req->id = uint64_t(p) * 1000000 + r + 1;
-                req->has_imm = true;
-                req->imm = uint32_t(200 + p);
-                req->src_desc = descs;
-                req->targets.push_back(spec);
-                req->ops.resize(1);
+                auto req = imm_request(uint64_t(p) * 1000000 + r + 1, uint32_t(200 + p), descs, spec, 1);
                 size_t at = (size_t(p) * kRequests + r) * kBytesEach;
                 fabric::OpCtx& op = req->ops[0];
                 op.nic = 0;
