@@ -507,7 +507,7 @@ class Engine {
         self_address_ = nics_[0]->address();
         LocalEndpoints::instance().add(self_address_);
         {  // eager writes: what NIC 0's domain allows, as far as a frame holds it
-            const size_t head = 2 + std::min<size_t>(self_address_.size(), 255) + sizeof(uint64_t) + kEagerHead;
+            const size_t head = frame_head() + kEagerHead;
             eager_max_ = std::min({eager_max_of(*nics_[0], 0), frame_ - head, kEagerLimit});
         }
         attrib_.resize(nics_.size());
@@ -1995,6 +1995,38 @@ class Engine {
         nics_[0]->post_recv(recv_buf(op.src), frame_, recv_desc_, &op);
     }
 
+    // A region as remote writes address it (note_region), for access checks and eager writes.
+    struct AccessEntry {
+        uint64_t base = 0, len = 0;
+        bool writable = false;
+        uint64_t ptr = 0;   // where the region is in this process
+        bool host = true;   // host memory (eager writes: copied with memcpy)
+    };
+
+    // An answer about a key, as access checks and eager writes' acknowledgements carry it:
+    // [known][writable][base][length] (kAccessBytes; all zero for a key it does not have).
+    struct AccessFacts {
+        bool known = false, writable = false;
+        uint64_t base = 0, len = 0;
+    };
+    static constexpr size_t kAccessBytes = 2 + 2 * sizeof(uint64_t);
+    static void put_access(const AccessEntry* e, char* out) {
+        std::memset(out, 0, kAccessBytes);
+        if (e == nullptr) return;
+        out[0] = 1;
+        out[1] = e->writable ? 1 : 0;
+        std::memcpy(out + 2, &e->base, sizeof(e->base));
+        std::memcpy(out + 2 + sizeof(uint64_t), &e->len, sizeof(e->len));
+    }
+    static AccessFacts read_access(const char* in) {
+        AccessFacts f;
+        f.known = in[0] != 0;
+        f.writable = in[1] != 0;
+        std::memcpy(&f.base, in + 2, sizeof(f.base));
+        std::memcpy(&f.len, in + 2 + sizeof(uint64_t), sizeof(f.len));
+        return f;
+    }
+
     // --- eager writes ------------------------------------------------------------------
     // Where NIC 0's domain allows it (eager_write_max(): fabric-efa on tcp;ofi_rxm), a lone
     // write of up to that many bytes (the one work request of its request) goes as a control
@@ -2016,8 +2048,9 @@ class Engine {
     //
     // Frame: [kFrameWrite][address length][writer's NIC 0 address][nonce][rkey][raddr]
     // [has imm: 1][imm: 4][bytes]. Acknowledgement: [kFrameWriteAck][address][nonce: 0] and
-    // per write [nonce][known][writable][host][base][length] (what the target has under the
-    // key, as access_answer says: the writer words a refusal itself, with refusal_text).
+    // per write [nonce][known][writable][base][length][host] (what the target has under the
+    // key, as access_answer says it (put_access), and whether it is host memory: the writer
+    // words a refusal itself, with refusal_text).
     static constexpr size_t kEagerHead = 2 * sizeof(uint64_t) + 1 + sizeof(uint32_t);
     // the most bytes an eager write carries (efa_eager_max's bound: rxm's eager message size)
     static constexpr size_t kEagerLimit = 16384;
@@ -2026,7 +2059,7 @@ class Engine {
     // below its writer's would otherwise truncate its eager frames (the provider keeps none
     // of a truncated frame, so nobody could answer the write: it waited out eager_wait()).
     static constexpr size_t kFrameFloor = 2 + 255 + sizeof(uint64_t) + kEagerHead + kEagerLimit;
-    static constexpr size_t kAckEntry = sizeof(uint64_t) + 3 + 2 * sizeof(uint64_t);
+    static constexpr size_t kAckEntry = sizeof(uint64_t) + kAccessBytes + 1;
     static constexpr int kEagerFrame = 4;  // OpCtx::kind of an eager write's frame (its send)
     // send slots eager writes leave to the control channel (probes, acknowledgements): past
     // them a write goes through the provider
@@ -2078,14 +2111,7 @@ class Engine {
         f->src = uint64_t(free_slots_.back()) + 1;
         free_slots_.pop_back();
         char* slot = send_slot(f->src - 1);
-        const size_t alen = std::min<size_t>(self_address_.size(), 255);
-        char* at = slot;
-        *at++ = kFrameWrite;
-        *at++ = static_cast<char>(alen);
-        std::memcpy(at, self_address_.data(), alen);
-        at += alen;
-        std::memcpy(at, &nonce, sizeof(nonce));
-        at += sizeof(nonce);
+        char* at = put_head(slot, kFrameWrite, nonce);
         std::memcpy(at, &w.rkey, sizeof(w.rkey));
         at += sizeof(w.rkey);
         std::memcpy(at, &w.raddr, sizeof(w.raddr));
@@ -2133,22 +2159,12 @@ class Engine {
             // (held over the copy: a region is forgotten before it is deregistered, so no copy
             // reaches memory its owner got back)
             std::lock_guard<std::mutex> lock(access_mu_);
-            const AccessEntry* found = nullptr;
-            if (!access_.empty()) {
-                auto it = access_[0].find(rkey);
-                if (it != access_[0].end()) found = &it->second;
-            }
-            if (found != nullptr) {
-                const AccessEntry& e = *found;
-                entry[8] = 1;
-                entry[9] = e.writable ? 1 : 0;
-                entry[10] = e.host ? 1 : 0;
-                std::memcpy(entry + 11, &e.base, sizeof(e.base));
-                std::memcpy(entry + 19, &e.len, sizeof(e.len));
-                if (e.host && !refuses(true, e.writable, e.base, e.len, raddr, len)) {
-                    std::memcpy(reinterpret_cast<char*>(e.ptr) + (raddr - e.base), bytes, static_cast<size_t>(len));
-                    landed = true;
-                }
+            const AccessEntry* e = find_access(0, rkey);
+            put_access(e, entry + sizeof(nonce));
+            entry[sizeof(nonce) + kAccessBytes] = e != nullptr && e->host ? 1 : 0;
+            if (e != nullptr && e->host && !refuses(true, e->writable, e->base, e->len, raddr, len)) {
+                std::memcpy(reinterpret_cast<char*>(e->ptr) + (raddr - e->base), bytes, static_cast<size_t>(len));
+                landed = true;
             }
         }
         if (landed) {
@@ -2163,17 +2179,16 @@ class Engine {
 
     // Sends the acknowledgements due, one frame per writer (more where they do not fit one);
     // those the provider cannot take now stay for the next step. Whether any went. Called by
-    // the next step after the one that applied the writes (before its polls), and by an
-    // inline submit after it posted: so a target's waiter that polled an eager write itself
-    // returns as soon as it counted its imm, and an answer it then sends leaves before the
-    // acknowledgement. The acknowledgement does not wake a napping worker (spinning(): it is
+    // the next step after the one that applied the writes (before its polls), not by an
+    // inline submit: so a target's waiter that polled an eager write itself returns as soon
+    // as it counted its imm, and an answer it then sends leaves before the acknowledgement. The acknowledgement does not wake a napping worker (spinning(): it is
     // not work in flight); it waits at most for the worker's nap, or the next waiter's step.
     // Waking it cost the round trip twice the time on the 2-core machine: the woken worker
     // then polled on beside the waiters of both sides, on two CPUs (forward leg 25-37 us
     // against 8.7 for a delivery-complete write; docs/backends/efa.md).
     bool flush_acks() {
         bool sent = false;
-        const size_t head = 2 + std::min<size_t>(self_address_.size(), 255) + sizeof(uint64_t);
+        const size_t head = frame_head();
         const size_t per = frame_ > head ? (frame_ - head) / kAckEntry * kAckEntry : 0;
         for (auto it = acks_.begin(); it != acks_.end();) {
             std::string& due = it->second;
@@ -2198,19 +2213,18 @@ class Engine {
         Sink sink{this, 0};
         for (size_t at = 0; at + kAckEntry <= elen; at += kAckEntry) {
             const char* e = extra + at;
-            uint64_t nonce, base, rlen;
+            uint64_t nonce;
             std::memcpy(&nonce, e, sizeof(nonce));
             auto it = eager_out_.find(nonce);
             if (it == eager_out_.end() || it->second.peer->address != from) continue;  // failed already
             OpCtx* op = it->second.op;
             eager_out_.erase(it);
-            const bool known = e[8] != 0, writable = e[9] != 0, host = e[10] != 0;
-            std::memcpy(&base, e + 11, sizeof(base));
-            std::memcpy(&rlen, e + 19, sizeof(rlen));
+            const AccessFacts a = read_access(e + sizeof(nonce));
+            const bool host = e[sizeof(nonce) + kAccessBytes] != 0;
             const Request& r = *op->request;
             const Target& t = *r.targets[op->target];
             const uint64_t raddr = (nics_[0]->virt_addr() ? t.remote_base : 0) + op->dst_off;
-            std::string why = refusal_text(known, writable, base, rlen, raddr, op->len, t.rkeys[0], 0);
+            std::string why = refusal_text(a.known, a.writable, a.base, a.len, raddr, op->len, t.rkeys[0], 0);
             if (nic_down_of(*nics_[0], 0)) {  // (as the domain reports its writes then)
                 sink.on_error(op, kTransport, "NIC down (injected): acknowledgement lost");
             } else if (!why.empty()) {
@@ -2331,37 +2345,35 @@ class Engine {
 
     // A target's side: what it has registered under a key on a NIC, as an answer.
     std::string access_answer(const char* extra, size_t len) {
-        std::string out(2 + 2 * sizeof(uint64_t), '\0');  // [known][writable][base][length]
+        std::string out(kAccessBytes, '\0');
         if (len < 1 + sizeof(uint64_t)) return out;
         uint32_t nic = uint8_t(extra[0]);
         uint64_t key;
         std::memcpy(&key, extra + 1, sizeof(key));
         std::lock_guard<std::mutex> lock(access_mu_);
-        if (nic >= access_.size()) return out;
-        auto it = access_[nic].find(key);
-        if (it == access_[nic].end()) return out;
-        out[0] = 1;
-        out[1] = it->second.writable ? 1 : 0;
-        std::memcpy(&out[2], &it->second.base, sizeof(uint64_t));
-        std::memcpy(&out[2 + sizeof(uint64_t)], &it->second.len, sizeof(uint64_t));
+        put_access(find_access(nic, key), out.data());
         return out;
+    }
+
+    // What this engine has under ``key`` on ``nic`` (null: nothing); access_mu_ held.
+    const AccessEntry* find_access(uint32_t nic, uint64_t key) const {
+        if (nic >= access_.size()) return nullptr;
+        auto it = access_[nic].find(key);
+        return it == access_[nic].end() ? nullptr : &it->second;
     }
 
     // The target's answer: settle the writes held on the question.
     void got_access_answer(const std::string& from, uint64_t nonce, const char* body, size_t len) {
-        if (len < 2 + 2 * sizeof(uint64_t)) return;  // malformed: the question times out
+        if (len < kAccessBytes) return;  // malformed: the question times out
         auto it = std::find_if(access_checks_.begin(), access_checks_.end(),
                                [&](const AccessCheck& c) { return c.to == from && c.nonce == nonce; });
         if (it == access_checks_.end()) return;  // answered already, or given up on
         AccessCheck c = std::move(*it);
         access_checks_.erase(it);
-        bool known = body[0] != 0, writable = body[1] != 0;
-        uint64_t base, rlen;
-        std::memcpy(&base, body + 2, sizeof(base));
-        std::memcpy(&rlen, body + 2 + sizeof(base), sizeof(rlen));
+        const AccessFacts a = read_access(body);
         // Why the target would have refused a held write ("": it would have taken it).
         auto refusal = [&](const AccessHeld& h) {
-            return refusal_text(known, writable, base, rlen, h.raddr, h.op->len, c.key, c.nic);
+            return refusal_text(a.known, a.writable, a.base, a.len, h.raddr, h.op->len, c.key, c.nic);
         };
         std::vector<std::pair<AccessHeld*, std::string>> verdicts;
         for (auto& h : c.ops) verdicts.emplace_back(&h, h.op->request->abandoned ? std::string() : refusal(h));
@@ -2877,7 +2889,7 @@ class Engine {
             return false;
         }
         if (free_slots_.empty()) return false;
-        if (2 + std::min<size_t>(self_address_.size(), 255) + sizeof(nonce) + extra.size() > frame_) {
+        if (frame_head() + extra.size() > frame_) {
             if (error) *error = -EMSGSIZE;  // max_send_size too small for it: never sent
             return false;
         }
@@ -2892,13 +2904,9 @@ class Engine {
         op->src = uint64_t(free_slots_.back()) + 1;
         free_slots_.pop_back();
         char* slot = send_slot(op->src - 1);
-        size_t alen = std::min<size_t>(self_address_.size(), 255);
-        slot[0] = type;
-        slot[1] = static_cast<char>(alen);
-        std::memcpy(slot + 2, self_address_.data(), alen);
-        std::memcpy(slot + 2 + alen, &nonce, sizeof(nonce));
-        if (!extra.empty()) std::memcpy(slot + 2 + alen + sizeof(nonce), extra.data(), extra.size());
-        int rc = nics_[0]->post_send(slot, alen + 2 + sizeof(nonce) + extra.size(), send_desc_, handle, op);
+        char* body = put_head(slot, type, nonce);
+        if (!extra.empty()) std::memcpy(body, extra.data(), extra.size());
+        int rc = nics_[0]->post_send(slot, size_t(body - slot) + extra.size(), send_desc_, handle, op);
         if (rc != 0) {
             release_probe(*op);
             if (error) *error = rc;
@@ -3371,6 +3379,17 @@ class Engine {
     size_t max_send_;
     size_t frame_;  // a control frame: the type byte and up to max_send_ bytes, at least kFrameFloor
     char* recv_buf(size_t i) { return recv_arena_.data() + i * frame_; }
+    // An engine frame's header as this engine writes it: [type][address length][address][nonce]
+    // (frame_head() bytes; put_head() writes it and returns where the body starts).
+    size_t frame_head() const { return 2 + std::min<size_t>(self_address_.size(), 255) + sizeof(uint64_t); }
+    char* put_head(char* slot, char type, uint64_t nonce) const {
+        const size_t alen = std::min<size_t>(self_address_.size(), 255);
+        slot[0] = type;
+        slot[1] = static_cast<char>(alen);
+        std::memcpy(slot + 2, self_address_.data(), alen);
+        std::memcpy(slot + 2 + alen, &nonce, sizeof(nonce));
+        return slot + 2 + alen + sizeof(nonce);
+    }
     char* send_slot(size_t i) { return send_arena_.data() + i * frame_; }
     static constexpr char kFrameUser = 0, kFramePing = 1, kFramePong = 2, kFrameHello = 3, kFrameHelloAck = 4,
                           kFrameQuery = 5, kFrameCounts = 6, kFramePathReset = 7, kFramePoke = 8,
@@ -3499,12 +3518,6 @@ class Engine {
     static constexpr auto kAccessRetry = std::chrono::milliseconds(50);
     static constexpr auto kAccessGrace = std::chrono::milliseconds(300);  // a refused probe's wait
     // note_region(): per NIC, key -> the region as writes address it (any thread: access_mu_)
-    struct AccessEntry {
-        uint64_t base = 0, len = 0;
-        bool writable = false;
-        uint64_t ptr = 0;   // where the region is in this process
-        bool host = true;   // host memory (eager writes: copied with memcpy)
-    };
     std::mutex access_mu_;
     std::vector<std::unordered_map<uint64_t, AccessEntry>> access_;
     // eager writes (post_eager): the largest (0: none), the frames out by nonce, those to fail
