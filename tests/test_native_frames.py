@@ -36,6 +36,10 @@ def test_the_frame_corpus_is_present_and_small() -> None:
     # seeded from a real exchange: one input of each frame kind the engine sends
     kinds = {int(m.group(1)) for p in corpus if (m := re.match(r"seed-\d+-type(\d+)$", p.name))}
     assert kinds == set(range(9)), kinds
+    # and frames of another wire protocol (a ping, and the answer to one), and one of a build
+    # from before the wire byte (Engine::got_foreign)
+    names = {p.name for p in corpus}
+    assert sum(n.endswith("-foreign") for n in names) == 2 and "seed-13-before-wire-byte" in names
 
 
 @pytest.fixture(scope="module")

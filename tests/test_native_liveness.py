@@ -40,6 +40,10 @@ and its stall grow, where an idle engine shows none; and once the engine is decl
 stuck post that returns at last is the last one: the rest of its request is never posted.
 Case 20: the counter table's count of what still needs polling (queued waiters and live GPU
 mirrors) goes back to zero through every way out of the table, each counted once.
+Case 21: a peer that speaks another wire protocol (another fabric release) is told so at most
+once a second, and the write that depends on it fails with kIncompatible about a second after
+its probe, with a 30 s liveness timeout; once it speaks the same protocol again, a fence and a
+write go through.
 (``nox -s sanitize`` runs it under ThreadSanitizer too.)
 """
 
@@ -112,6 +116,7 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "one step all along yes; wedged; first write landed yes, second posted no",
         ),
         ("20", "the counter table's watched count: back to 0 through every way out"),
+        ("21", "another wire protocol: failed 8 after"),
     ],
 )
 def test_liveness_probes_answer_late_and_fail_only_the_gone(program: Path, case: str, says: str) -> None:

@@ -942,7 +942,7 @@ class LibfabricDomain {
     std::unordered_map<uint64_t, std::unique_ptr<PeerMarks>> marks_;
     std::vector<uint64_t> unmarked_;
     std::unordered_set<void*> marker_ctxs_;  // the markers in flight (their contexts)
-    char marker_frame_[2] = {kFrameDeliveryMarker, 0};
+    char marker_frame_[3] = {kWireByte, kFrameDeliveryMarker, 0};  // (Engine::got_message ignores it)
     void* marker_desc_ = nullptr;  // its registration where the provider wants one (FI_MR_LOCAL)
     // what a zero-length write names (post_write), and its registration where wanted
     char zero_src_[8] = {};

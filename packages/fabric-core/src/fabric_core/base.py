@@ -441,8 +441,10 @@ class EngineBase(TransferEngine):
             **{k: v for k, v in core.items() if k not in ("requests", "peers")},
         }
 
-    def _peer_lost(self, peer: bytes, exc: BaseException | str) -> None:
-        lost = PeerUnreachable(f"peer {peer.hex()} is gone ({exc})", peer=peer.hex())
+    def _peer_lost(
+        self, peer: bytes, exc: BaseException | str, kind: type[PeerUnreachable] = PeerUnreachable
+    ) -> None:
+        lost = kind(f"peer {peer.hex()} is gone ({exc})", peer=peer.hex())
         self._counters.fail_peer(peer, lost)
 
     def close(self, timeout: float | None = None) -> None:

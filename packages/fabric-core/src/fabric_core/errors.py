@@ -20,6 +20,7 @@ __all__ = [
     "EngineClosed",
     "EngineWedged",
     "FabricError",
+    "PeerIncompatible",
     "PeerUnreachable",
     "RemoteAccessError",
     "TransferCancelled",
@@ -128,6 +129,15 @@ class TransportError(FabricError):
 
 class PeerUnreachable(TransportError):
     """The peer is gone (dead, closed, or never existed) or the route to it failed."""
+
+
+class PeerIncompatible(PeerUnreachable):
+    """The peer runs a fabric release whose control frames this engine cannot read, nor it
+    this engine's (another wire protocol version): run one release on every engine of a job.
+
+    A subclass of ``PeerUnreachable``: the peer is lost to this engine as a silent one would be,
+    only sooner (about a second after it was first heard speaking another version), and the
+    message names both versions."""
 
 
 class RemoteAccessError(TransportError):

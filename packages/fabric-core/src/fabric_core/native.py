@@ -33,6 +33,7 @@ from .errors import (
     EngineClosed,
     EngineWedged,
     FabricError,
+    PeerIncompatible,
     PeerUnreachable,
     RemoteAccessError,
     TransferCancelled,
@@ -75,12 +76,14 @@ _HEADER = struct.Struct("<B")  # length of the sender's address, then the addres
 HEADER_BYTES = 1 + 255
 """What a control message carries besides its payload (the sender's address)."""
 # Status codes of fabric/engine.hpp
+_INCOMPATIBLE = 8
 _STATUS: dict[int, type[TransportError]] = {
     1: PeerUnreachable,
     2: RemoteAccessError,
     3: TransportError,
     5: TransferTimeout,
     6: TransferCancelled,
+    _INCOMPATIBLE: PeerIncompatible,
 }
 _CLOSED = 4
 _DRAIN_S = 0.002  # how long a waiter drains completions itself before sleeping on its event
@@ -414,15 +417,15 @@ class NativeEngine(EngineBase):
         failed: list[tuple[int, int, str, bytes, int]],
         fired: list[int],
         messages: list[bytes],
-        lost: list[tuple[bytes, str]],
+        lost: list[tuple[bytes, str, int]],
         revived: list[bytes],
     ) -> None:
         """Hand one batch of completions to Python (the completion thread, or a drainer)."""
         for peer in revived:  # heard from again: waits may name it
             self._counters.revive_peer(peer)
-        for peer, why in lost:  # waits naming it fail now (its transfers fail below)
+        for peer, why, status in lost:  # waits naming it fail now (its transfers fail below)
             logger.warning("fabric: peer %s lost on %s: %s", peer.hex(), self._where, why)
-            self._peer_lost(peer, why)
+            self._peer_lost(peer, why, PeerIncompatible if status == _INCOMPATIBLE else PeerUnreachable)
         if fired:  # asyncio waits and expect callbacks the imms satisfied
             self._native_counters.fire_tokens(fired)
         pop = self._inflight.pop
@@ -584,6 +587,8 @@ class NativeEngine(EngineBase):
             p["address"] = p["address"].hex()
         for c in state.get("access_checks", []):
             c["peer"] = c["peer"].hex()
+        for f in state.get("foreign_peers", []):
+            f["address"] = f["address"].hex()
         return state
 
     def _backend_check_peer(self, peer: DomainAddress) -> None:

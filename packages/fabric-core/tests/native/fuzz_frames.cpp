@@ -1,6 +1,7 @@
 // Coverage-guided fuzz target (libFuzzer) for what the engine core parses from the network:
 // control frames (Engine::got_message and all it calls: ping and pong, hello and its answer,
-// a path reset, a count query and its answer, user messages). A frame is whatever any process
+// a path reset, a count query and its answer, user messages, and frames of another wire
+// protocol, got_foreign). A frame is whatever any process
 // that reaches a NIC can send; the engine must neither crash nor touch memory it does not own
 // (the target is built with ASan and UBSan), and it must keep serving honest peers.
 //
@@ -106,9 +107,11 @@ struct World {
         a->close();
     }
 
-    // A control frame of ``type`` as engine ``from`` would send it.
-    static std::string frame(char type, const std::string& from, uint64_t nonce, const std::string& extra) {
-        std::string f(1, type);
+    // A control frame of ``type`` as engine ``from`` would send it (speaking ``wire``).
+    static std::string frame(char type, const std::string& from, uint64_t nonce, const std::string& extra,
+                             char wire = fabric::kWireByte) {
+        std::string f(1, wire);
+        f.push_back(type);
         f.push_back(static_cast<char>(from.size()));
         f += from;
         f.append(reinterpret_cast<const char*>(&nonce), sizeof(nonce));
@@ -201,13 +204,18 @@ struct World {
         seeds.push_back(frame(6, from, 3, std::string(17 + sizeof(fabric::Sums), '\0')));  // counts
         seeds.push_back(frame(7, from, 0, std::string(1, '\x01')));                     // path reset
         seeds.push_back(frame(8, from, 0, ""));                                         // poke
+        // frames of another wire protocol: a ping claiming B, and the answer to one
+        const char other = static_cast<char>(0x80 | (fabric::kWireVersion + 1));
+        seeds.push_back(frame(1, from, 0, "", other));
+        seeds.push_back(frame(fabric::kFrameForeign, from, 0, std::string(1, fabric::kWireByte), other));
         for (size_t i = 0; i < seeds.size(); i++) {
             std::string rec(2, '\0');
             rec[0] = static_cast<char>(seeds[i].size() & 0xff);
             rec[1] = static_cast<char>((seeds[i].size() >> 8) & 0xff);
             rec += seeds[i];
-            std::string path = std::string(dir) + "/seed-" + std::to_string(i) + "-type" +
-                               std::to_string(seeds[i].empty() ? -1 : int(uint8_t(seeds[i][0])));
+            const bool ours = seeds[i].size() >= 2 && seeds[i][0] == fabric::kWireByte;
+            std::string path = std::string(dir) + "/seed-" + std::to_string(i) +
+                               (ours ? "-type" + std::to_string(int(uint8_t(seeds[i][1]))) : "-foreign");
             std::ofstream(path, std::ios::binary) << rec;
         }
         std::fprintf(stderr, "fuzz_frames: %zu seed frames written to %s\n", seeds.size(), dir);

@@ -89,6 +89,14 @@
 //    last, its write lands and the request's second write, queued behind it, is never
 //    posted: A counts 1 imm, not 2 (before, the worker went on posting through its step and
 //    close()'s grace, landing bytes of a transfer already failed).
+// 21. A peer of another fabric release (another wire protocol: Engine::speak_wire). A speaks
+//    wire protocol 2, B protocol 1; B writes to A with its completions held, its liveness
+//    timeout 30 s. B's probes reach A as frames A cannot read: A counts them (frames_foreign)
+//    and tells B, at most once a second, in its own protocol; B counts that, notes A as
+//    speaking protocol 2, and loses A about a second after its probe went unanswered: the
+//    write fails with kIncompatible, naming both protocols, well before the 30 s. A frame of
+//    B's protocol from A (once A speaks it again: the pong to a fence) clears the note, and
+//    B's next write completes.
 #include <fabric/counters.hpp>
 #include <fabric/engine.hpp>
 
@@ -140,7 +148,7 @@ struct Pair {
         completer = std::thread([this] {
             while (!stop.load()) {
                 fabric::Batch batch = a->wait_batch(0.01);
-                for (auto& [address, why] : batch.lost) {
+                for (auto& [address, why, status] : batch.lost) {
                     lost++;
                     CounterTable::Tokens none;
                     counters->fail_peer(address, none);
@@ -1243,8 +1251,67 @@ void a_watcher_sees_a_stuck_worker() {
     p.b.reset();
 }
 
+void a_peer_of_another_wire_protocol() {
+    Pair p;
+    const char other = static_cast<char>(0x80 | (fabric::kWireVersion + 1));
+    std::atomic<int> pings{0}, notices{0};
+    const std::string a_address = p.a->nic(0).address();
+    {
+        std::lock_guard<std::mutex> lock(p.fabric.mu);
+        p.fabric.on_send = [&](const std::string& to, const std::string& m) {
+            if (m.size() >= 2 && to == a_address && m[0] == fabric::kWireByte && m[1] == 1) pings++;
+            if (m.size() >= 2 && to == p.b_address && m[0] == other && m[1] == fabric::kFrameForeign) notices++;
+        };
+    }
+    p.a->speak_wire(uint8_t(other));
+    p.b->configure_liveness(kInterval, 30.0, 1e12);
+    p.b->nic(0).hold_write_done = true;  // B's write stays in flight: B's liveness watches A
+    const auto t0 = Clock::now();
+    const uint64_t id = p.write_imm(500);
+    int32_t status = -1;
+    std::string message;
+    while (status < 0 && Clock::now() - t0 < std::chrono::seconds(20)) {
+        for (const auto& c : p.b->wait_batch(0.01).done)
+            if (c.id == id) {
+                status = c.status;
+                message = c.message;
+            }
+    }
+    const double took = std::chrono::duration<double>(Clock::now() - t0).count();
+    fabric::EngineDump dump = p.b->dump();
+    const bool noted = dump.foreign.size() == 1 && dump.foreign[0].first == a_address &&
+                       dump.foreign[0].second == uint8_t(other);
+    const uint64_t a_foreign = p.a->stats().frames_foreign, b_foreign = p.b->stats().frames_foreign;
+    std::printf("another wire protocol: failed %d after %.3f s (%s); %d pings, %d notices; frames_foreign "
+                "A %llu, B %llu\n",
+                status, took, message.c_str(), pings.load(), notices.load(), (unsigned long long)a_foreign,
+                (unsigned long long)b_foreign);
+    CHECK(status == fabric::kIncompatible && took < 10.0);
+    CHECK(message.find("wire protocol 2") != std::string::npos && message.find("wire protocol 1") != std::string::npos);
+    CHECK(noted && a_foreign >= 1 && b_foreign >= 1);
+    // told at most once a second, however often B asked
+    CHECK(notices >= 1 && notices <= 1 + int(took));
+    CHECK(int(a_foreign) >= pings.load() - 1);
+    // A speaks B's protocol again: its pong clears the note, and a write goes through
+    p.a->speak_wire(uint8_t(fabric::kWireByte));
+    p.b->nic(0).hold_write_done = false;
+    p.b->nic(0).release_writes();
+    CHECK(p.b->fence({a_address}, 5.0).empty());
+    CHECK(p.b->dump().foreign.empty());
+    const uint64_t again = p.write_imm(501);
+    int32_t second = -1;
+    for (auto until = Clock::now() + std::chrono::seconds(5); second < 0 && Clock::now() < until;)
+        for (const auto& c : p.b->wait_batch(0.01).done)
+            if (c.id == again) second = c.status;
+    CHECK(second == fabric::kOk && p.counted(501));
+    {
+        std::lock_guard<std::mutex> lock(p.fabric.mu);
+        p.fabric.on_send = nullptr;
+    }
+}
+
 int main(int argc, char** argv) {
-    std::string only = argc > 1 ? argv[1] : "";  // "1" to "20": that case alone
+    std::string only = argc > 1 ? argv[1] : "";  // "1" to "21": that case alone
     if (only.empty() || only == "1") answers_refused_for_a_while();
     if (only.empty() || only == "2") a_probe_left_over_from_an_earlier_wait();
     if (only.empty() || only == "3") a_peer_that_is_gone();
@@ -1265,6 +1332,7 @@ int main(int argc, char** argv) {
     if (only.empty() || only == "18") the_queue_depths_byte_allowance();
     if (only.empty() || only == "19") a_watcher_sees_a_stuck_worker();
     if (only.empty() || only == "20") the_counter_table_counts_what_it_watches();
+    if (only.empty() || only == "21") a_peer_of_another_wire_protocol();
     std::printf("liveness: ok\n");
     return 0;
 }

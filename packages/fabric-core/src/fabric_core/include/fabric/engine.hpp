@@ -134,11 +134,30 @@
 
 namespace fabric {
 
-// The first byte of a control frame that a domain, not the engine, sends to a peer engine's
-// NIC 0 (its only receives): fabric-efa's shm domain confirms the delivery of small writes
-// with one (LibfabricDomain::post_markers). Two bytes: the type and an empty address. The
-// engine takes it as it takes any frame of a type it does not know: it ignores it (got_message).
+// Every control frame starts [wire byte][type][address length][sender's NIC 0 address]. That
+// prefix is the same in every fabric release, so that an engine can tell a frame it cannot
+// read, and who sent it (got_message, got_foreign). The wire byte is 0x80 | the wire protocol
+// version, which changes whenever the layout of any frame does; frames of fabric builds from
+// before the wire byte start with their type, below 0x80.
+inline constexpr uint8_t kWireVersion = 1;
+inline constexpr char kWireByte = static_cast<char>(0x80 | kWireVersion);
+
+// The type of a control frame that a domain, not the engine, sends to a peer engine's NIC 0
+// (its only receives): fabric-efa's shm domain confirms the delivery of small writes with one
+// (LibfabricDomain::post_markers). Three bytes: the wire byte, the type and an empty address.
+// The engine takes it as it takes any frame of a type it does not know: it ignores it.
 inline constexpr char kFrameDeliveryMarker = 11;
+// The type of the answer to a frame of another wire version, fixed for every release like
+// the prefix: [wire byte][kFrameForeign][address length][address][nonce: 0][the wire byte it
+// could not read]. Its receiver learns from the prefix alone that the sender speaks another
+// version; a frame of this type is never answered (Engine::got_foreign).
+inline constexpr char kFrameForeign = 0x7f;
+
+// A wire byte as people read it: "wire protocol 1", or a build from before the wire byte.
+inline std::string wire_text(uint8_t byte) {
+    if (byte & 0x80) return "wire protocol " + std::to_string(byte & 0x7f);
+    return "no wire protocol version (a fabric build from before it, or not fabric)";
+}
 
 // Status codes handed to Python (mapped to the error tree there).
 enum Status : int32_t {
@@ -154,6 +173,9 @@ enum Status : int32_t {
     // kPeerUnreachable, but first asks the target whether it refused the write (tcp drops
     // the connection over a refused key: Engine::check_access).
     kConnectionDropped = 7,
+    // The peer speaks another wire protocol (kWireVersion): it does not answer this engine's
+    // control frames, nor this engine its (PeerIncompatible in Python).
+    kIncompatible = 8,
 };
 
 using Clock = std::chrono::steady_clock;
@@ -384,11 +406,19 @@ struct Completion {
     int32_t nic = -1;  // failures: the local NIC involved, if one
 };
 
+// A peer the engine declared lost: its counter waiters fail (through Python) with ``status``,
+// kPeerUnreachable, or kIncompatible for one that speaks another wire protocol.
+struct LostPeer {
+    std::string peer;  // NIC 0 address
+    std::string why;
+    int32_t status;
+};
+
 struct Batch {
     std::vector<Completion> done;
     std::vector<uint64_t> fired;  // tokens of counter waiters (asyncio, expect) the imms fired
     std::vector<std::string> messages;
-    std::vector<std::pair<std::string, std::string>> lost;  // (peer, why): fail its waiters
+    std::vector<LostPeer> lost;                              // fail its waiters
     std::vector<std::string> revived;                        // lost peers heard from again
     bool empty() const {
         return done.empty() && fired.empty() && messages.empty() && lost.empty() && revived.empty();
@@ -427,6 +457,8 @@ struct EngineDump {
     std::vector<RequestView> requests;
     std::vector<PeerView> peers;
     std::vector<AccessCheckView> access_checks;
+    // senders heard speaking another wire protocol (Engine::got_foreign): address, wire byte
+    std::vector<std::pair<std::string, uint8_t>> foreign;
     size_t inflight_wrs = 0;
     std::vector<size_t> unposted_per_nic;
     uint64_t pokes_sent = 0;  // see Engine::poke
@@ -467,6 +499,7 @@ struct EngineStats {
     uint64_t eager_writes = 0;    // writes sent as eager frames (Engine::post_eager)
     uint64_t eager_landed = 0;    // as a target: eager writes it applied
     uint64_t frames_truncated = 0;  // control frames larger than this engine's receive buffers
+    uint64_t frames_foreign = 0;    // control frames of another wire protocol, dropped (got_foreign)
 };
 
 template <class Domain>
@@ -484,10 +517,10 @@ class Engine {
           peers_(nics_.size()),
           recv_depth_(recv_depth),
           max_send_(max_send),
-          frame_(std::max(max_send + 1, kFrameFloor)) {
+          frame_(std::max(max_send + 2, kFrameFloor)) {
         // Control messages move through registered buffers on NIC 0: receive buffers, and a
         // pool of send slots the payloads are copied into when posted (FI_MR_LOCAL).
-        // Every control frame starts with a type byte (kFrameUser, kFramePing, kFramePong).
+        // Every control frame starts with the wire byte and a type byte (kWireByte, kFrameUser...).
         recv_arena_.resize(recv_depth_ * frame_);
         send_arena_.resize(kSendSlots * frame_);
         recv_desc_ = nics_[0]->local_desc(recv_arena_.data(), recv_arena_.size());
@@ -787,6 +820,7 @@ class Engine {
         s.eager_writes = eager_writes_.load();
         s.eager_landed = eager_landed_.load();
         s.frames_truncated = frames_truncated_.load();
+        s.frames_foreign = frames_foreign_.load();
         return s;
     }
 
@@ -948,6 +982,10 @@ class Engine {
         touched_.push_back(address);
     }
 
+    // Makes this engine write ``byte`` as its wire byte, and read only frames that carry it:
+    // an engine of another fabric release, for tests of mixed releases. Any thread.
+    void speak_wire(uint8_t byte) { wire_.store(static_cast<char>(byte), std::memory_order_relaxed); }
+
     // Seconds the progress now running (a step, or a submit posting inline) has been at it;
     // 0 when none runs: how long a wedged worker has been stuck (dump(), cancel()). Read
     // without the progress lock, so a thread that watches the engine can tell a worker stuck
@@ -1043,6 +1081,7 @@ class Engine {
                 if (now < p.paths[k].down_until || !p.paths[k].failed.empty()) v.down_nics.push_back(k);
             out.peers.push_back(std::move(v));
         }
+        for (const auto& [addr, f] : foreign_) out.foreign.emplace_back(addr, f.wire);
         return out;
     }
 
@@ -1489,10 +1528,11 @@ class Engine {
                 op.src = uint64_t(free_slots_.back()) + 1;
                 free_slots_.pop_back();
                 char* slot = send_slot(op.src - 1);
-                slot[0] = kFrameUser;
-                std::memcpy(slot + 1, r.payload.data(), r.payload.size());
+                slot[0] = wire_.load(std::memory_order_relaxed);
+                slot[1] = kFrameUser;
+                std::memcpy(slot + 2, r.payload.data(), r.payload.size());
             }
-            return nics_[n]->post_send(send_slot(op.src - 1), r.payload.size() + 1, send_desc_, op.dst_off, &op);
+            return nics_[n]->post_send(send_slot(op.src - 1), r.payload.size() + 2, send_desc_, op.dst_off, &op);
         }
         Target& t = *r.targets[op.target];
         if (closed(t)) return kGone;
@@ -1898,18 +1938,22 @@ class Engine {
 
     void got_message(OpCtx& op, size_t len) {
         const char* buf = recv_buf(op.src);
-        // [type][address length][address][body]; a user frame's address and body are the
-        // Python header and payload, handed on without the type byte.
-        if (len >= 2 && size_t(uint8_t(buf[1])) + 2 <= len) {
-            std::string from(buf + 2, uint8_t(buf[1]));
+        // [wire byte][type][address length][address][body]; a user frame's address and body are
+        // the Python header and payload, handed on without the wire and type bytes.
+        if (len >= 1 && buf[0] != wire_.load(std::memory_order_relaxed)) {
+            got_foreign(buf, len);
+        } else if (len >= 3 && size_t(uint8_t(buf[2])) + 3 <= len) {
+            std::string from(buf + 3, uint8_t(buf[2]));
+            if (!foreign_.empty() && !from.empty()) foreign_.erase(from);  // it speaks this version now
             auto it = peer_state_.find(from);
             if (it != peer_state_.end()) heard(it->second);
             uint64_t nonce = 0;
-            size_t body = 2 + size_t(uint8_t(buf[1]));
-            if (buf[0] != kFrameUser && len >= body + sizeof(nonce)) std::memcpy(&nonce, buf + body, sizeof(nonce));
-            if (buf[0] == kFrameUser) {
-                messages_.emplace_back(buf + 1, len - 1);
-            } else if (buf[0] == kFramePing) {
+            const char type = buf[1];
+            size_t body = 3 + size_t(uint8_t(buf[2]));
+            if (type != kFrameUser && len >= body + sizeof(nonce)) std::memcpy(&nonce, buf + body, sizeof(nonce));
+            if (type == kFrameUser) {
+                messages_.emplace_back(buf + 2, len - 2);
+            } else if (type == kFramePing) {
                 // The answer leaves after everything this engine posted to the pinger before it,
                 // on the same stream where the transport has one (tcp): fence() relies on it.
                 // So frames still queued for it go first, and the answer waits behind them. A
@@ -1932,16 +1976,16 @@ class Engine {
                     });
                     if (!asked) send_or_queue(kFramePong, from, nonce, std::string());
                 }
-            } else if (buf[0] == kFramePong && it != peer_state_.end()) {
+            } else if (type == kFramePong && it != peer_state_.end()) {
                 // (an answer to a fence not asked yet is a forgery, or garbage: taken for no
                 // more than the fences already asked, or it would answer every later one)
                 it->second.answered = std::max(it->second.answered, std::min(nonce, fence_nonce_));
             } else if (len >= body + sizeof(nonce)) {
                 const char* extra = buf + body + sizeof(nonce);
                 size_t elen = len - body - sizeof(nonce);
-                if (buf[0] == kFrameHello) {
+                if (type == kFrameHello) {
                     got_hello(from, nonce, extra, elen);
-                } else if (buf[0] == kFrameHelloAck && it != peer_state_.end() && elen >= 9) {
+                } else if (type == kFrameHelloAck && it != peer_state_.end() && elen >= 9) {
                     PeerState& p = it->second;
                     if (p.session == nonce && !p.session_ok) {
                         p.session_ok = true;
@@ -1952,7 +1996,7 @@ class Engine {
                             path.ghosts.clear();
                         }
                     }
-                } else if (buf[0] == kFramePathReset && it != peer_state_.end() && elen >= 1) {
+                } else if (type == kFramePathReset && it != peer_state_.end() && elen >= 1) {
                     // The peer lost its NIC k path to this engine: drop this side's connection
                     // state for its address there too, or a half-dead connection it cannot
                     // see may keep refusing the one it makes next.
@@ -1962,17 +2006,17 @@ class Engine {
                         reset_path(p, k);
                         poke(p, k);
                     }
-                } else if (buf[0] == kFrameAccess) {
+                } else if (type == kFrameAccess) {
                     send_or_queue(kFrameAccessAnswer, from, nonce, access_answer(extra, elen));
-                } else if (buf[0] == kFrameAccessAnswer) {
+                } else if (type == kFrameAccessAnswer) {
                     got_access_answer(from, nonce, extra, elen);
-                } else if (buf[0] == kFrameWrite) {
+                } else if (type == kFrameWrite) {
                     got_eager_write(from, nonce, extra, elen);
-                } else if (buf[0] == kFrameWriteAck) {
+                } else if (type == kFrameWriteAck) {
                     got_eager_acks(from, extra, elen);
-                } else if (buf[0] == kFrameQuery && elen >= 1) {
+                } else if (type == kFrameQuery && elen >= 1) {
                     queries_.push_back(Query{from, nonce, uint8_t(extra[0])});
-                } else if (buf[0] == kFrameCounts && it != peer_state_.end()) {
+                } else if (type == kFrameCounts && it != peer_state_.end()) {
                     PeerState& p = it->second;
                     for (uint32_t k = 1; k < p.paths.size(); k++)
                         if (p.paths[k].querying && nonce >= p.paths[k].query_first && nonce <= p.paths[k].query_nonce)
@@ -1981,6 +2025,55 @@ class Engine {
             }
         }
         nics_[0]->post_recv(recv_buf(op.src), frame_, recv_desc_, &op);
+    }
+
+    // A frame whose first byte is not this engine's wire byte: written by an engine of another
+    // wire protocol (another fabric release), whose frames this one cannot read, nor it
+    // this one's. Counted (frames_foreign) and dropped. Where the prefix all versions share
+    // names its sender (wire byte 0x80 or above, an address), the sender is noted as speaking
+    // that version (foreign_) and told, once a second at most, that this engine speaks another
+    // (kFrameForeign, which is never answered: two engines of different versions do not
+    // answer each other for ever). Neither frame is a sign of life: a peer that speaks
+    // another version answers no probe, and one that work depends on is lost once a probe
+    // has gone unanswered for kForeignGrace, its requests failed with kIncompatible
+    // (peer_lost). A frame of this version from it clears the note. Frames are not
+    // authenticated (docs/concepts/security.md): a forged one costs an honest peer nothing but
+    // an early probe, which it answers.
+    void got_foreign(const char* buf, size_t len) {
+        if (len == 3 && buf[1] == kFrameDeliveryMarker && buf[2] == 0) return;  // a domain's marker
+        NicTraffic::bump(frames_foreign_);
+        const uint8_t wire = uint8_t(buf[0]);
+        if (!(wire & 0x80) || len < 3 || size_t(uint8_t(buf[2])) + 3 > len || buf[2] == 0) return;
+        std::string from(buf + 3, uint8_t(buf[2]));
+        if (from == self_address_) return;
+        if (foreign_.size() >= kForeignMax && foreign_.find(from) == foreign_.end()) foreign_.clear();
+        Foreign& f = foreign_[from];
+        const bool fresh = f.wire != wire;
+        f.wire = wire;
+        auto ps = peer_state_.find(from);
+        if (fresh && ps != peer_state_.end() && probe_interval_ != Clock::duration::max()) {
+            PeerState& p = ps->second;  // probe it now (a forged note: it answers, and that clears it)
+            if (!p.probe_posted) {
+                p.touched = true;
+                p.heard = std::min(p.heard, now_ - probe_interval_);
+            }
+        }
+        if (buf[1] == kFrameForeign) return;
+        if (f.told != Clock::time_point{} && now_ - f.told < kForeignTell) return;
+        if (send_frame(kFrameForeign, from, nullptr, nullptr, 0, false, std::string(1, buf[0]))) f.told = now_;
+    }
+
+    // The wire byte ``address`` was last heard speaking, where it is another than this
+    // engine's; 0 where it is not known to.
+    uint8_t foreign_wire(const std::string& address) const {
+        if (foreign_.empty()) return 0;
+        auto it = foreign_.find(address);
+        return it == foreign_.end() ? 0 : it->second.wire;
+    }
+
+    // How long a probe to ``p`` may go unanswered before it is lost.
+    Clock::duration probe_deadline(const PeerState& p) const {
+        return foreign_wire(p.address) != 0 ? std::min<Clock::duration>(probe_timeout_, kForeignGrace) : probe_timeout_;
     }
 
     // A control frame larger than this engine's receive buffers (its sender runs a larger
@@ -2058,7 +2151,7 @@ class Engine {
     // an eager write's, with the largest payload and address. A target whose max_send_size is
     // below its writer's would otherwise truncate its eager frames (the provider keeps none
     // of a truncated frame, so nobody could answer the write: it waited out eager_wait()).
-    static constexpr size_t kFrameFloor = 2 + 255 + sizeof(uint64_t) + kEagerHead + kEagerLimit;
+    static constexpr size_t kFrameFloor = 3 + 255 + sizeof(uint64_t) + kEagerHead + kEagerLimit;
     static constexpr size_t kAckEntry = sizeof(uint64_t) + kAccessBytes + 1;
     static constexpr int kEagerFrame = 4;  // OpCtx::kind of an eager write's frame (its send)
     // send slots eager writes leave to the control channel (probes, acknowledgements): past
@@ -2720,7 +2813,7 @@ class Engine {
                                         ") and the peer cannot tell which of its WriteImms it counted");
                     continue;
                 }
-                static_assert(2 + 255 + 8 + 17 + sizeof(Sums) <= kFrameFloor, "a count answer fits every frame");
+                static_assert(3 + 255 + 8 + 17 + sizeof(Sums) <= kFrameFloor, "a count answer fits every frame");
                 if (path.querying && now_ - path.query_sent < kFenceRetry) continue;
                 // (asked again with a new nonce; any answer of this round will do: each was
                 // asked once the path was quiet)
@@ -3056,10 +3149,17 @@ class Engine {
         return false;
     }
 
-    void peer_lost(PeerState& p, const std::string& why) {
+    void peer_lost(PeerState& p, const std::string& given) {
+        std::string why = given;
+        int32_t status = kPeerUnreachable;
+        if (uint8_t wire = foreign_wire(p.address)) {  // it speaks another wire protocol (got_foreign)
+            status = kIncompatible;
+            why += "; it speaks " + wire_text(wire) + " and this engine " + wire_text(uint8_t(wire_.load(std::memory_order_relaxed))) +
+                   ", so neither reads the other's control frames: run one fabric release on every engine of a job";
+        }
         std::string message = "peer lost: " + why;
         for (auto& [id, r] : live_)
-            if (!r->abandoned && depends_on(*r, p.address)) abandon(*r, kPeerUnreachable, message);
+            if (!r->abandoned && depends_on(*r, p.address)) abandon(*r, status, message);
         for (auto& path : p.paths) {  // WriteImms awaiting reconciliation: their requests ended
             std::vector<OpCtx*> failed;
             failed.swap(path.failed);
@@ -3078,7 +3178,7 @@ class Engine {
         // Evict: its address-vector entries go, and every target resolves anew (a restarted
         // process at the same address is a new peer to the provider).
         evict(p);
-        if (fresh) lost_.emplace_back(p.address, why);
+        if (fresh) lost_.push_back(LostPeer{p.address, why, status});
     }
 
     // Every kTick: deadlines, and the liveness of the peers that work depends on.
@@ -3166,7 +3266,7 @@ class Engine {
                 p.heard = std::min(p.heard, now_ - probe_interval_);  // due now
             }
             p.last_wanted = now_;
-            if (p.probe_sent != Clock::time_point{} && now_ - p.probe_sent >= probe_timeout_) {
+            if (p.probe_sent != Clock::time_point{} && now_ - p.probe_sent >= probe_deadline(p)) {
                 auto waited = std::to_string(std::chrono::duration<double>(now_ - p.probe_sent).count()).substr(0, 5);
                 peer_lost(p, p.probe_posted ? "no answer to a liveness probe in " + waited + " s"
                                             : "a liveness probe could not even be posted in " + waited +
@@ -3377,18 +3477,21 @@ class Engine {
     std::vector<std::string> messages_;
     size_t recv_depth_;
     size_t max_send_;
-    size_t frame_;  // a control frame: the type byte and up to max_send_ bytes, at least kFrameFloor
+    // a control frame: the wire and type bytes and up to max_send_ bytes, at least kFrameFloor
+    size_t frame_;
     char* recv_buf(size_t i) { return recv_arena_.data() + i * frame_; }
-    // An engine frame's header as this engine writes it: [type][address length][address][nonce]
-    // (frame_head() bytes; put_head() writes it and returns where the body starts).
-    size_t frame_head() const { return 2 + std::min<size_t>(self_address_.size(), 255) + sizeof(uint64_t); }
+    // An engine frame's header as this engine writes it: [wire byte][type][address length]
+    // [address][nonce] (frame_head() bytes; put_head() writes it and returns where the body
+    // starts). A user frame has no nonce: [wire byte][kFrameUser][Python's header and payload].
+    size_t frame_head() const { return 3 + std::min<size_t>(self_address_.size(), 255) + sizeof(uint64_t); }
     char* put_head(char* slot, char type, uint64_t nonce) const {
         const size_t alen = std::min<size_t>(self_address_.size(), 255);
-        slot[0] = type;
-        slot[1] = static_cast<char>(alen);
-        std::memcpy(slot + 2, self_address_.data(), alen);
-        std::memcpy(slot + 2 + alen, &nonce, sizeof(nonce));
-        return slot + 2 + alen + sizeof(nonce);
+        slot[0] = wire_.load(std::memory_order_relaxed);
+        slot[1] = type;
+        slot[2] = static_cast<char>(alen);
+        std::memcpy(slot + 3, self_address_.data(), alen);
+        std::memcpy(slot + 3 + alen, &nonce, sizeof(nonce));
+        return slot + 3 + alen + sizeof(nonce);
     }
     char* send_slot(size_t i) { return send_arena_.data() + i * frame_; }
     static constexpr char kFrameUser = 0, kFramePing = 1, kFramePong = 2, kFrameHello = 3, kFrameHelloAck = 4,
@@ -3405,6 +3508,19 @@ class Engine {
     uint64_t queue_bytes_ = 0;           // configure_queue: the byte allowance past it (0: none)
     uint64_t busy_peers_ = 0;            // peers with writes counted in their ``queued``
     std::string self_address_;
+    // The wire byte this engine writes and reads (kWireByte; speak_wire() for tests).
+    std::atomic<char> wire_{kWireByte};
+    // Senders heard speaking another wire protocol (got_foreign), by NIC 0 address: the wire
+    // byte, and when this engine last told them it speaks another. At most kForeignMax (the
+    // senders are not authenticated: past it the notes start afresh). Worker only.
+    struct Foreign {
+        uint8_t wire = 0;
+        Clock::time_point told{};
+    };
+    std::unordered_map<std::string, Foreign> foreign_;
+    static constexpr size_t kForeignMax = 1024;
+    static constexpr auto kForeignTell = std::chrono::seconds(1);   // one kFrameForeign a second per sender
+    static constexpr auto kForeignGrace = std::chrono::seconds(1);  // probe_deadline() of such a peer
     // failure detection (worker only)
     static constexpr auto kTick = std::chrono::milliseconds(10);
     Clock::time_point now_{}, last_tick_{}, last_watch_{};
@@ -3493,7 +3609,7 @@ class Engine {
     uint64_t epoch_ = 1;
     std::deque<OpCtx> probe_ctx_;  // stable addresses
     std::vector<OpCtx*> free_probes_;
-    std::vector<std::pair<std::string, std::string>> lost_;
+    std::vector<LostPeer> lost_;
     std::vector<std::string> revived_;
     // NIC loss (worker only)
     static constexpr auto kPathRetryMin = std::chrono::milliseconds(200);
@@ -3591,7 +3707,7 @@ class Engine {
     std::atomic<uint64_t> posted_{0}, completed_{0}, bytes_{0}, eagain_{0};
     std::atomic<uint64_t> probes_{0}, peers_lost_{0}, timeouts_{0}, retries_{0};
     std::atomic<uint64_t> reconciled_{0}, landed_unacked_{0}, makeups_{0}, unreconciled_{0};
-    std::atomic<uint64_t> eager_writes_{0}, eager_landed_{0}, frames_truncated_{0};
+    std::atomic<uint64_t> eager_writes_{0}, eager_landed_{0}, frames_truncated_{0}, frames_foreign_{0};
     std::thread worker_;
 };
 

@@ -333,6 +333,7 @@ class PyEngine {
         d["eager_writes"] = s.eager_writes;
         d["eager_landed"] = s.eager_landed;
         d["frames_truncated"] = s.frames_truncated;
+        d["frames_foreign"] = s.frames_foreign;
         return d;
     }
 
@@ -385,6 +386,13 @@ class PyEngine {
     // See Engine::probe_peer.
     void probe_peer(py::bytes address) {
         if (engine_ && !closed_) engine_->probe_peer(std::string(address));
+    }
+
+    // See Engine::speak_wire (tests of mixed fabric releases).
+    void speak_wire(int version) {
+        check_open();
+        if (version < 0 || version > 0xff) throw py::value_error("a wire byte is 0..255");
+        engine_->speak_wire(static_cast<uint8_t>(version));
     }
 
     // See Engine::configure_liveness.
@@ -448,6 +456,14 @@ class PyEngine {
                 checks.append(v);
             }
             d["access_checks"] = checks;
+            py::list foreign;
+            for (auto& [address, wire] : e.foreign) {
+                py::dict v;
+                v["address"] = py::bytes(address);
+                v["wire"] = wire_text(wire);
+                foreign.append(v);
+            }
+            d["foreign_peers"] = foreign;
             if (e.progress_stuck_s >= 0) d["progress_stuck_s"] = e.progress_stuck_s;
             d["inflight_work_requests"] = e.inflight_wrs;
             d["unposted_per_nic"] = e.unposted_per_nic;
@@ -545,7 +561,7 @@ class PyEngine {
         }
         for (auto& m : b.messages) messages.append(py::bytes(m));
         py::list lost, revived;
-        for (auto& [peer, why] : b.lost) lost.append(py::make_tuple(py::bytes(peer), why));
+        for (auto& [peer, why, status] : b.lost) lost.append(py::make_tuple(py::bytes(peer), why, status));
         for (auto& a : b.revived) revived.append(py::bytes(a));
         return py::make_tuple(ok, failed, py::cast(b.fired), messages, lost, revived);
     }
@@ -712,6 +728,7 @@ void bind_engine(py::class_<Cls, Options...>& c) {
              py::arg("bytes_per_peer_and_nic") = 0)
         .def("dump_state", &Cls::dump_state)
         .def("probe_peer", &Cls::probe_peer, py::arg("address"))
+        .def("_speak_wire", &Cls::speak_wire, py::arg("wire_byte"))
         .def("fence", &Cls::fence, py::arg("addresses"), py::arg("timeout_s"))
         .def("cancel", &Cls::cancel, py::arg("id"), py::arg("timeout_s") = -1.0)
         .def("close", &Cls::close, py::arg("join_timeout_s") = -1.0)
