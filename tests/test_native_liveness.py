@@ -44,6 +44,8 @@ Case 21: a peer that speaks another wire protocol (another fabric release) is to
 once a second, and the write that depends on it fails with kIncompatible about a second after
 its probe, with a 30 s liveness timeout; once it speaks the same protocol again, a fence and a
 write go through.
+Case 22: frames larger than an engine's receive buffers (from a sender that did not ask its
+size) are counted and cost it no buffer: after 40 of them, with 16 buffers, a fence is answered.
 (``nox -s sanitize`` runs it under ThreadSanitizer too.)
 """
 
@@ -117,6 +119,7 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ),
         ("20", "the counter table's watched count: back to 0 through every way out"),
         ("21", "another wire protocol: failed 8 after"),
+        ("22", "oversized frames: 40 truncated; fence answered"),
     ],
 )
 def test_liveness_probes_answer_late_and_fail_only_the_gone(program: Path, case: str, says: str) -> None:

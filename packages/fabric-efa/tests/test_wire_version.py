@@ -11,31 +11,23 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
 from fabric_core.errors import PeerIncompatible, PeerUnreachable, TransferTimeout
-from fabric_core.settings import load_settings
 from fabric_core.testing.conformance import _eventually
-from fabric_efa import EfaBackend
 from fabric_efa.engine import EfaEngine
 
 os.environ.setdefault("FI_TCP_IFACE", "lo")
 
+EngineFactory = Callable[..., EfaEngine]
 T = 20.0
 TCP = "tcp;ofi_rxm"
 OURS = 0x80 | 1
 OTHER = 0x80 | 2
 PROVIDERS = ["shm", TCP]
-
-
-def _engine(provider: str, **extra: object) -> EfaEngine:
-    settings = load_settings(backend="efa", efa_provider=provider, nics=1, timeout_s=T, **extra)
-    probe = EfaBackend.probe(settings)
-    if not probe.available:
-        pytest.skip(probe.reason)
-    return EfaEngine(settings)
 
 
 def _foreign(e: EfaEngine) -> list[dict[str, str]]:
@@ -47,8 +39,10 @@ def _frames_foreign(e: EfaEngine) -> int:
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-def test_a_frame_of_another_wire_protocol_is_dropped_counted_and_answered(provider: str) -> None:
-    with _engine(provider) as ours, _engine(provider) as theirs:
+def test_a_frame_of_another_wire_protocol_is_dropped_counted_and_answered(
+    provider: str, efa_engine: EngineFactory
+) -> None:
+    with efa_engine(provider) as ours, efa_engine(provider) as theirs:
         theirs._core._speak_wire(OTHER)
         ours.submit_send(theirs.address, b"hello").wait(T)  # (a send completes at its sender)
         # theirs cannot read it: never handed to the application, counted
@@ -79,12 +73,14 @@ def test_a_frame_of_another_wire_protocol_is_dropped_counted_and_answered(provid
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-def test_a_wait_naming_a_peer_of_another_wire_protocol_fails_in_seconds_naming_both(provider: str) -> None:
+def test_a_wait_naming_a_peer_of_another_wire_protocol_fails_in_seconds_naming_both(
+    provider: str, efa_engine: EngineFactory
+) -> None:
     """Its probes are not answered: the wait fails with PeerIncompatible (a PeerUnreachable)
     about a second after the first, though the liveness timeout is 30 s."""
     with (
-        _engine(provider, liveness_interval_s=0.1, liveness_timeout_s=30.0) as ours,
-        _engine(provider) as theirs,
+        efa_engine(provider, liveness_interval_s=0.1, liveness_timeout_s=30.0) as ours,
+        efa_engine(provider) as theirs,
     ):
         theirs._core._speak_wire(OTHER)
         t0 = time.monotonic()
@@ -99,14 +95,16 @@ def test_a_wait_naming_a_peer_of_another_wire_protocol_fails_in_seconds_naming_b
         assert _frames_foreign(ours) >= 1
 
 
-def test_a_write_that_goes_as_a_frame_to_a_peer_of_another_wire_protocol_fails_and_lands_nothing() -> None:
+def test_a_write_that_goes_as_a_frame_to_a_peer_of_another_wire_protocol_fails_and_lands_nothing(
+    efa_engine: EngineFactory,
+) -> None:
     """On tcp a lone small write goes as a control frame (an eager write): the target cannot
     read it, so nothing lands and no imm is counted, and the write fails with
     PeerIncompatible within seconds. Through the provider (a larger write) it would land:
     the provider's writes do not depend on the release."""
     with (
-        _engine(TCP, liveness_interval_s=0.1, liveness_timeout_s=30.0) as ours,
-        _engine(TCP) as theirs,
+        efa_engine(TCP, liveness_interval_s=0.1, liveness_timeout_s=30.0) as ours,
+        efa_engine(TCP) as theirs,
     ):
         theirs._core._speak_wire(OTHER)
         src = np.full(64, 9, dtype=np.uint8)

@@ -223,9 +223,7 @@ class FakeNic {
         if (!unexpected_.empty()) {
             std::string m = std::move(unexpected_.front());
             unexpected_.pop_front();
-            size_t n = std::min(len, m.size());
-            std::memcpy(buf, m.data(), n);
-            events_.push_back({Event::kRecv, ctx, n, 0, 0, 0, {}});
+            receive(static_cast<char*>(buf), len, ctx, m);
             return 0;
         }
         recvs_.push_back({static_cast<char*>(buf), len, ctx});
@@ -261,6 +259,7 @@ class FakeNic {
                     break;
                 case Event::kSendDone: sink.on_send_done(e.ctx); break;
                 case Event::kRecv: sink.on_recv(e.ctx, e.len); break;
+                case Event::kTruncated: sink.on_recv_truncated(e.ctx); break;
                 case Event::kImm:
                     if (e.len > 1) {
                         sink.on_imms(e.imm, e.src, static_cast<uint32_t>(e.len));
@@ -285,7 +284,7 @@ class FakeNic {
 
   private:
     struct Event {
-        enum Kind { kWriteDone, kSendDone, kRecv, kImm, kError } kind;
+        enum Kind { kWriteDone, kSendDone, kRecv, kTruncated, kImm, kError } kind;
         void* ctx;
         size_t len;
         uint32_t imm;
@@ -357,9 +356,18 @@ class FakeNic {
         }
         Recv r = recvs_.front();
         recvs_.pop_front();
-        size_t n = std::min(r.len, m.size());
-        std::memcpy(r.buf, m.data(), n);
-        events_.push_back({Event::kRecv, r.ctx, n, 0, 0, 0, {}});
+        receive(r.buf, r.len, r.ctx, m);
+    }
+
+    // A message into a receive buffer (under mu_). One larger than the buffer is truncated as
+    // tcp truncates it: nothing of it kept, reported as such (the sink's on_recv_truncated).
+    void receive(char* buf, size_t len, void* ctx, const std::string& m) {
+        if (m.size() > len) {
+            events_.push_back({Event::kTruncated, ctx, 0, 0, 0, 0, {}});
+            return;
+        }
+        std::memcpy(buf, m.data(), m.size());
+        events_.push_back({Event::kRecv, ctx, m.size(), 0, 0, 0, {}});
     }
 
     struct Region {

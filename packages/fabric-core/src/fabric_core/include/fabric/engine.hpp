@@ -254,6 +254,11 @@ struct PeerState {
     uint64_t session = 0;                // as a sender: the hello's nonce (0: none yet)
     bool session_ok = false;             // its answer came
     uint64_t peer_incarnation = 0;       // from the answer: a restart shows as a new one
+    // Its receive buffers: the largest frame it takes, as its answers to pings say (0: not
+    // known yet), and when this engine last asked (a message larger than kFrameFloor waits
+    // for it: Engine::sized).
+    uint64_t frame = 0;
+    Clock::time_point frame_asked{};
     Clock::time_point hello_sent{};
     uint64_t rx_session = 0;             // as a target: the session its rx sums belong to
     // traffic to it (stats): writes completed, their bytes, writes failed, writes posted and
@@ -1332,6 +1337,7 @@ class Engine {
                     continue;
                 }
                 op.dst_off = peer;
+                if (r->payload.size() + 2 > kFrameFloor && !sized(op)) continue;  // waits, or failed
                 pending_[0].push_back(&op);
                 continue;
             }
@@ -1974,12 +1980,15 @@ class Engine {
                     bool asked = std::any_of(outbox_.begin(), outbox_.end(), [&](const OutFrame& f) {
                         return f.to == from && f.type == kFramePong && f.nonce == nonce;
                     });
-                    if (!asked) send_or_queue(kFramePong, from, nonce, std::string());
+                    if (!asked) send_or_queue(kFramePong, from, nonce, frame_body());
                 }
             } else if (type == kFramePong && it != peer_state_.end()) {
                 // (an answer to a fence not asked yet is a forgery, or garbage: taken for no
                 // more than the fences already asked, or it would answer every later one)
                 it->second.answered = std::max(it->second.answered, std::min(nonce, fence_nonce_));
+                uint64_t frame = 0;  // [nonce][the pinger's receive buffers' size]
+                if (len >= body + 2 * sizeof(uint64_t)) std::memcpy(&frame, buf + body + sizeof(nonce), sizeof(frame));
+                if (frame > 0) got_frame_size(it->second, frame);
             } else if (len >= body + sizeof(nonce)) {
                 const char* extra = buf + body + sizeof(nonce);
                 size_t elen = len - body - sizeof(nonce);
@@ -2025,6 +2034,74 @@ class Engine {
             }
         }
         nics_[0]->post_recv(recv_buf(op.src), frame_, recv_desc_, &op);
+    }
+
+    // --- messages larger than some engines take ----------------------------------------
+    // A receiver's buffers hold its own max_send_size (and never less than kFrameFloor), not
+    // the sender's: a larger message is truncated to nothing on tcp (got_truncated), and on
+    // shm (1.17) its send never completes and the sender's endpoint stops (EngineWedged).
+    // So a message of more than kFrameFloor bytes goes only to a peer whose buffers are known
+    // to hold it: every engine's pong carries the size of its buffers (frame_body()), and a
+    // send to a peer whose size is not known yet waits (sized_wait_) while it is asked (a
+    // ping, again every kFenceRetry). One that does not fit fails at once, kTransport, saying
+    // both sizes. A peer that never answers is found by the liveness probes, or the send ends
+    // at its deadline. The first large message to a peer costs one round trip; smaller ones
+    // nothing.
+    bool sized(OpCtx& op) {
+        Request& r = *op.request;
+        if (r.send_to == self_address_) return fits(op, frame_);
+        PeerState& p = state_for(r.send_to);
+        if (p.frame != 0) return fits(op, p.frame);
+        sized_wait_.push_back(&op);
+        ask_frame(p);
+        return false;
+    }
+
+    // Whether ``op``'s message fits a peer's buffers of ``frame`` bytes; fails it if not.
+    bool fits(OpCtx& op, uint64_t frame) {
+        const uint64_t need = op.request->payload.size() + 2;
+        if (need <= frame) return true;
+        fail_op(op, kTransport,
+                "the message takes " + std::to_string(need) + " bytes and the peer's receive buffers hold " +
+                    std::to_string(frame) + " (its max_send_size is smaller than this engine's): give every "
+                    "engine of a job the same max_send_size");
+        return false;
+    }
+
+    void ask_frame(PeerState& p) {
+        if (p.frame_asked != Clock::time_point{} && now_ - p.frame_asked < kFenceRetry) return;
+        if (send_frame(kFramePing, p.address, nullptr)) p.frame_asked = now_;
+    }
+
+    std::string frame_body() const {
+        const uint64_t frame = frame_;
+        return std::string(reinterpret_cast<const char*>(&frame), sizeof(frame));
+    }
+
+    void got_frame_size(PeerState& p, uint64_t frame) {
+        p.frame = frame;
+        if (!sized_wait_.empty()) sized_tick();
+    }
+
+    // Sends waiting for a size: ended ones settle, those whose peer's size came go on (or
+    // fail), the rest ask again.
+    void sized_tick() {
+        std::vector<OpCtx*> left;
+        for (OpCtx* op : sized_wait_) {
+            Request& r = *op->request;
+            if (r.abandoned) {
+                settle(*op);
+                continue;
+            }
+            PeerState& p = state_for(r.send_to);
+            if (p.frame == 0) {
+                ask_frame(p);
+                left.push_back(op);
+            } else if (fits(*op, p.frame)) {
+                pending_[0].push_back(op);
+            }
+        }
+        sized_wait_.swap(left);
     }
 
     // A frame whose first byte is not this engine's wire byte: written by an engine of another
@@ -3111,6 +3188,7 @@ class Engine {
         // it says hello again.
         end_session(p);
         p.rx_session = 0;
+        p.frame = 0;  // a process restarted at its address may take other sizes
         if (p.queued > 0 && busy_peers_ > 0) busy_peers_--;
         p.queued = 0;
         p.queued_bytes = 0;
@@ -3196,6 +3274,7 @@ class Engine {
         if (nics_.size() > 1) nic_loss_tick();
         if (!access_checks_.empty()) access_tick();
         if (!eager_out_.empty()) eager_tick();
+        if (!sized_wait_.empty()) sized_tick();
         // fence() probes: sent, and sent again every kFenceRetry until answered (a connection
         // the transport tore down loses what was queued on it: the probe is then retried on a
         // fresh one, its state reset by the failure).
@@ -3409,6 +3488,7 @@ class Engine {
         for (auto& q : pending_) q.clear();
         for (auto& park : parked_) park.clear();
         access_checks_.clear();  // (their requests fail below)
+        sized_wait_.clear();     // (so do those of sends waiting for their peer's sizes)
         eager_out_.clear();  // (so do those of eager writes)
         eager_dropped_.clear();
         acks_.clear();
@@ -3587,7 +3667,7 @@ class Engine {
                 left.push_back(std::move(q));
                 continue;
             }
-            send_frame(kFramePong, q.to, nullptr, nullptr, q.nonce);  // (lost: the pinger asks again)
+            send_frame(kFramePong, q.to, nullptr, nullptr, q.nonce, false, frame_body());  // (lost: asked again)
         }
         pongs_.swap(left);
     }
@@ -3650,6 +3730,7 @@ class Engine {
         std::string extra;
     };
     std::vector<OutFrame> outbox_;  // answers the provider could not take yet
+    std::vector<OpCtx*> sized_wait_;  // sends waiting for their peer's receive buffers' size (sized())
     std::list<std::unique_ptr<RetryBatch>> batches_;
     std::string last_path_error_;
     static constexpr uint32_t kSendSlots = 64;
