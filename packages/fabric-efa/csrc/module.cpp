@@ -63,6 +63,9 @@ class EfaEngine : public fabric::PyEngine<Domain> {
         d["strict_mr"] = info_.strict_mr;
         // lone writes of up to this many bytes go as eager frames (tcp; 0: none)
         d["eager_max"] = info_.eager_max;
+        // the version of the engines' control frames: engines of another one cannot talk to
+        // this one (docs/concepts/failures.md, "A peer of another fabric release")
+        d["wire_protocol"] = int(fabric::kWireVersion);
         d["cuda_ipc"] = cuda_ipc_;
         // why small CUDA IPC copies are not batched into kernel launches, or why imms take the
         // provider rather than the inbox ("" where they are, or where there is no CUDA IPC)

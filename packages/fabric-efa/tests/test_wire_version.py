@@ -43,6 +43,8 @@ def test_a_frame_of_another_wire_protocol_is_dropped_counted_and_answered(
     provider: str, efa_engine: EngineFactory
 ) -> None:
     with efa_engine(provider) as ours, efa_engine(provider) as theirs:
+        assert ours.provider_info["wire_protocol"] == OURS & 0x7F
+        assert ours.domains[0].details["wire_protocol"] == OURS & 0x7F  # (fabric info shows it)
         theirs._core._speak_wire(OTHER)
         ours.submit_send(theirs.address, b"hello").wait(T)  # (a send completes at its sender)
         # theirs cannot read it: never handed to the application, counted

@@ -172,6 +172,8 @@ def _details(info: dict[str, Any]) -> dict[str, str | int | bool]:
         "strict_mr": bool(info["strict_mr"]),
         # lone writes of up to this many bytes go as eager frames to the target's engine (tcp)
         "eager_max": int(info["eager_max"]),
+        # the engines' control-frame version: every engine of a job must speak the same
+        "wire_protocol": int(info["wire_protocol"]),
     }
 
 
