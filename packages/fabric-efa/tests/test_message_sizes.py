@@ -9,12 +9,13 @@ fails one that does not fit at once (fabric/engine.hpp, Engine::sized).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 
 import numpy as np
 import pytest
 
-from fabric_core.errors import TransportError
+from fabric_core.errors import PeerUnreachable, TransportError
 from fabric_efa.engine import EfaEngine
 
 os.environ.setdefault("FI_TCP_IFACE", "lo")
@@ -61,3 +62,18 @@ def test_a_message_larger_than_its_receiver_takes_fails_at_the_sender_and_the_re
         assert sender.recv(T).data == fits[:64]
         sender.deregister(src_mr)
         small.deregister(dst_mr)
+
+
+def test_a_large_message_to_a_closed_engine_of_this_process_fails_at_once(efa_engine: EngineFactory) -> None:
+    """On shm an engine of this process that closed is known as such (its memory is gone): a
+    large message to it fails at once, as a small one does, rather than waiting for a size it
+    will never be told. (On tcp a closed peer is found by the liveness probes, for a message
+    of any size.)"""
+    with efa_engine("shm") as sender:
+        gone = efa_engine("shm")
+        address = gone.address
+        gone.close()
+        t0 = time.monotonic()
+        with pytest.raises(PeerUnreachable, match="closed"):
+            sender.submit_send(address, bytes(20000)).wait(T)
+        assert time.monotonic() - t0 < 5.0

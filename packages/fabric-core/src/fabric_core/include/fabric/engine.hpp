@@ -2050,6 +2050,7 @@ class Engine {
     bool sized(OpCtx& op) {
         Request& r = *op.request;
         if (r.send_to == self_address_) return fits(op, frame_);
+        if (ClosedSet::instance().contains(r.send_to)) return true;  // post() fails it (kGone)
         PeerState& p = state_for(r.send_to);
         if (p.frame != 0) return fits(op, p.frame);
         sized_wait_.push_back(&op);
@@ -2094,7 +2095,9 @@ class Engine {
                 continue;
             }
             PeerState& p = state_for(r.send_to);
-            if (p.frame == 0) {
+            if (ClosedSet::instance().contains(r.send_to)) {
+                pending_[0].push_back(op);  // post() fails it (kGone)
+            } else if (p.frame == 0) {
                 ask_frame(p);
                 left.push_back(op);
             } else if (fits(*op, p.frame)) {
