@@ -123,3 +123,22 @@ def test_a_write_that_goes_as_a_frame_to_a_peer_of_another_wire_protocol_fails_a
         assert counter.value == 0
         ours.deregister(src_mr)
         theirs.deregister(dst_mr)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_a_fence_to_a_peer_of_another_wire_protocol_gives_up_in_seconds(
+    provider: str, efa_engine: EngineFactory
+) -> None:
+    """A fence's ping goes unanswered too: once the peer is heard speaking another version,
+    the fence stops waiting a second after it began and raises PeerIncompatible, not at its
+    20 s timeout; a fence to it once it speaks the same version again is answered."""
+    with efa_engine(provider) as ours, efa_engine(provider) as theirs:
+        theirs._core._speak_wire(OTHER)
+        t0 = time.monotonic()
+        with pytest.raises(PeerIncompatible, match="wire protocol 2") as err:
+            ours.fence([theirs.address], timeout=T)
+        took = time.monotonic() - t0
+        assert 0.9 < took < 10.0, took
+        assert err.value.peer == theirs.address.raw.hex()
+        theirs._core._speak_wire(OURS)
+        ours.fence([theirs.address], timeout=T)

@@ -25,6 +25,7 @@ from .errors import (
     CapabilityError,
     ConfigError,
     EngineClosed,
+    PeerIncompatible,
     PeerUnreachable,
     TransferCancelled,
     TransferTimeout,
@@ -140,6 +141,11 @@ class EngineBase(TransferEngine):
                 transfer_id=transfer.id,
             )
         return True
+
+    def _foreign_peers(self) -> dict[bytes, str]:
+        """Peers heard speaking another wire protocol, and which (compiled engines): their
+        control frames, fences' answers included, cannot be read here."""
+        return {}
 
     def _backend_fence(self, peers: list[bytes], timeout: float) -> list[bytes]:
         """Wait (``fence``) for every write of ``peers`` posted before the call to be processed;
@@ -421,6 +427,14 @@ class EngineBase(TransferEngine):
         left = self._backend_fence(addresses, limit)
         if left:
             names = ", ".join(a.hex() for a in left)
+            foreign = self._foreign_peers()
+            if all(a in foreign for a in left):
+                speak = ", ".join(f"{a.hex()} {foreign[a]}" for a in left)
+                raise PeerIncompatible(
+                    f"fence: {len(left)} peer(s) speak another fabric release's wire protocol and "
+                    f"cannot confirm ({speak}): run one fabric release on every engine of a job",
+                    peer=left[0].hex(),
+                )
             raise PeerUnreachable(
                 f"fence: {len(left)} peer(s) did not confirm within {limit:g} s: {names}; what they "
                 "had under way may still land: do not reuse the memory yet",

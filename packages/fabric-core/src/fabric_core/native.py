@@ -579,6 +579,9 @@ class NativeEngine(EngineBase):
     def _backend_fence(self, peers: list[bytes], timeout: float) -> list[bytes]:
         return self._core.fence(peers, timeout) if peers else []
 
+    def _foreign_peers(self) -> dict[bytes, str]:
+        return {f["address"]: str(f["wire"]) for f in self._core.dump_state().get("foreign_peers", [])}
+
     def _dump_core(self) -> dict[str, Any]:
         state = self._core.dump_state()
         for r in state.get("requests", []):

@@ -925,9 +925,12 @@ class Engine {
     // way to the peer has been processed there (landed, or refused by the keys), and with a
     // key revoked first, nothing of those writes can land after this returns (a write
     // retried after a lost NIC is posted anew: the revoked key refuses it). Returns the peers
-    // that did not confirm within ``timeout_s``. Any thread but the worker.
+    // that did not confirm within ``timeout_s``, or sooner: once kForeignGrace has passed and
+    // every peer left is one heard speaking another wire protocol (got_foreign), which never
+    // answers. Any thread but the worker.
     std::vector<std::string> fence(const std::vector<std::string>& addresses, double timeout_s) {
-        auto deadline = Clock::now() + to_duration(std::min(std::max(timeout_s, 0.0), 1e6));
+        const auto began = Clock::now();
+        auto deadline = began + to_duration(std::min(std::max(timeout_s, 0.0), 1e6));
         uint64_t nonce;
         std::vector<std::string> left(addresses);
         std::vector<Posting> posted;  // the writes under way now, to any of ``addresses``
@@ -964,6 +967,9 @@ class Engine {
                     if (it == peer_state_.end() || it->second.answered < nonce || writing) still.push_back(a);
                 }
                 left.swap(still);
+                if (!left.empty() && now_ - began >= kForeignGrace &&
+                    std::all_of(left.begin(), left.end(), [&](const std::string& a) { return foreign_wire(a) != 0; }))
+                    break;
             }
             if (left.empty() || Clock::now() >= deadline || stop_.load()) break;
             std::this_thread::sleep_for(std::chrono::microseconds(50));
