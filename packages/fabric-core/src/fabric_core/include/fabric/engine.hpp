@@ -522,7 +522,7 @@ class Engine {
           peers_(nics_.size()),
           recv_depth_(recv_depth),
           max_send_(max_send),
-          frame_(std::max(max_send + 2, kFrameFloor)) {
+          frame_(std::max(max_send + kUserHead, kFrameFloor)) {
         // Control messages move through registered buffers on NIC 0: receive buffers, and a
         // pool of send slots the payloads are copied into when posted (FI_MR_LOCAL).
         // Every control frame starts with the wire byte and a type byte (kWireByte, kFrameUser...).
@@ -1343,7 +1343,7 @@ class Engine {
                     continue;
                 }
                 op.dst_off = peer;
-                if (r->payload.size() + 2 > kFrameFloor && !sized(op)) continue;  // waits, or failed
+                if (r->payload.size() + kUserHead > kFrameFloor && !sized(op)) continue;  // waits, or failed
                 pending_[0].push_back(&op);
                 continue;
             }
@@ -1542,9 +1542,10 @@ class Engine {
                 char* slot = send_slot(op.src - 1);
                 slot[0] = wire_.load(std::memory_order_relaxed);
                 slot[1] = kFrameUser;
-                std::memcpy(slot + 2, r.payload.data(), r.payload.size());
+                std::memcpy(slot + kUserHead, r.payload.data(), r.payload.size());
             }
-            return nics_[n]->post_send(send_slot(op.src - 1), r.payload.size() + 2, send_desc_, op.dst_off, &op);
+            return nics_[n]->post_send(send_slot(op.src - 1), r.payload.size() + kUserHead, send_desc_, op.dst_off,
+                                       &op);
         }
         Target& t = *r.targets[op.target];
         if (closed(t)) return kGone;
@@ -1964,7 +1965,7 @@ class Engine {
             size_t body = 3 + size_t(uint8_t(buf[2]));
             if (type != kFrameUser && len >= body + sizeof(nonce)) std::memcpy(&nonce, buf + body, sizeof(nonce));
             if (type == kFrameUser) {
-                messages_.emplace_back(buf + 2, len - 2);
+                messages_.emplace_back(buf + kUserHead, len - kUserHead);
             } else if (type == kFramePing) {
                 // The answer leaves after everything this engine posted to the pinger before it,
                 // on the same stream where the transport has one (tcp): fence() relies on it.
@@ -2055,19 +2056,28 @@ class Engine {
     // may need setting up (a first 25.6 KB message took 5-14 ms on shm and 41 ms on tcp, a
     // first 100-byte one 0.1-3.4 ms and 29 ms); smaller ones wait for nothing.
     bool sized(OpCtx& op) {
+        const int verdict = size_verdict(op);
+        if (verdict == 0) sized_wait_.push_back(&op);
+        return verdict > 0;
+    }
+
+    // 1: ``op``'s message goes (it fits, or post() fails it: an endpoint of this process that
+    // closed, kGone); 0: its peer's size is not known yet (asked); -1: it does not fit (failed).
+    int size_verdict(OpCtx& op) {
         Request& r = *op.request;
-        if (r.send_to == self_address_) return fits(op, frame_);
-        if (ClosedSet::instance().contains(r.send_to)) return true;  // post() fails it (kGone)
+        if (r.send_to == self_address_) return fits(op, frame_) ? 1 : -1;
+        if (ClosedSet::instance().contains(r.send_to)) return 1;
         PeerState& p = state_for(r.send_to);
-        if (p.frame != 0) return fits(op, p.frame);
-        sized_wait_.push_back(&op);
-        ask_frame(p);
-        return false;
+        if (p.frame == 0) {
+            ask_frame(p);
+            return 0;
+        }
+        return fits(op, p.frame) ? 1 : -1;
     }
 
     // Whether ``op``'s message fits a peer's buffers of ``frame`` bytes; fails it if not.
     bool fits(OpCtx& op, uint64_t frame) {
-        const uint64_t need = op.request->payload.size() + 2;
+        const uint64_t need = op.request->payload.size() + kUserHead;
         if (need <= frame) return true;
         fail_op(op, kTransport,
                 "the message takes " + std::to_string(need) + " bytes and the peer's receive buffers hold " +
@@ -2101,15 +2111,9 @@ class Engine {
                 settle(*op);
                 continue;
             }
-            PeerState& p = state_for(r.send_to);
-            if (ClosedSet::instance().contains(r.send_to)) {
-                pending_[0].push_back(op);  // post() fails it (kGone)
-            } else if (p.frame == 0) {
-                ask_frame(p);
-                left.push_back(op);
-            } else if (fits(*op, p.frame)) {
-                pending_[0].push_back(op);
-            }
+            const int verdict = size_verdict(*op);
+            if (verdict > 0) pending_[0].push_back(op);
+            if (verdict == 0) left.push_back(op);
         }
         sized_wait_.swap(left);
     }
@@ -2138,13 +2142,8 @@ class Engine {
         const bool fresh = f.wire != wire;
         f.wire = wire;
         auto ps = peer_state_.find(from);
-        if (fresh && ps != peer_state_.end() && probe_interval_ != Clock::duration::max()) {
-            PeerState& p = ps->second;  // probe it now (a forged note: it answers, and that clears it)
-            if (!p.probe_posted) {
-                p.touched = true;
-                p.heard = std::min(p.heard, now_ - probe_interval_);
-            }
-        }
+        // probed at once: a forged note costs an honest peer that probe, whose answer clears it
+        if (fresh && ps != peer_state_.end()) probe_soon(ps->second);
         if (buf[1] == kFrameForeign) return;
         if (f.told != Clock::time_point{} && now_ - f.told < kForeignTell) return;
         if (send_frame(kFrameForeign, from, nullptr, nullptr, 0, false, std::string(1, buf[0]))) f.told = now_;
@@ -3165,11 +3164,15 @@ class Engine {
     // it now. Unanswered, the probe declares it lost, as for a silent peer.
     void suspect(PeerState& p) {
         evict(p);
-        if (probe_interval_ == Clock::duration::max()) return;  // probing is off: deadlines only
-        if (!p.probe_posted) {
-            p.touched = true;
-            p.heard = std::min(p.heard, now_ - probe_interval_);
-        }
+        probe_soon(p);
+    }
+
+    // ``p`` is probed at the next tick, unless a probe is out already or probing is off
+    // (deadlines only).
+    void probe_soon(PeerState& p) {
+        if (probe_interval_ == Clock::duration::max() || p.probe_posted) return;
+        p.touched = true;
+        p.heard = std::min(p.heard, now_ - probe_interval_);
     }
 
     // Drops address ``a`` from NIC ``n``'s address vector (and what hangs on its handle);
@@ -3572,7 +3575,9 @@ class Engine {
     char* recv_buf(size_t i) { return recv_arena_.data() + i * frame_; }
     // An engine frame's header as this engine writes it: [wire byte][type][address length]
     // [address][nonce] (frame_head() bytes; put_head() writes it and returns where the body
-    // starts). A user frame has no nonce: [wire byte][kFrameUser][Python's header and payload].
+    // starts). A user frame has no nonce: [wire byte][kFrameUser] (kUserHead bytes), then
+    // Python's header and payload.
+    static constexpr size_t kUserHead = 2;
     size_t frame_head() const { return 3 + std::min<size_t>(self_address_.size(), 255) + sizeof(uint64_t); }
     char* put_head(char* slot, char type, uint64_t nonce) const {
         const size_t alen = std::min<size_t>(self_address_.size(), 255);
