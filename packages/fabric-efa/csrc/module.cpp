@@ -34,8 +34,9 @@ class EfaEngine : public fabric::PyEngine<Domain> {
   public:
     EfaEngine(const std::string& provider, int nics, std::optional<uint64_t> chaos_seed, int cpu, size_t recv_depth,
               size_t max_send, const std::vector<std::string>& sources, bool hmem, int ipc_device, bool markers,
-              bool strict_mr, const std::vector<std::string>& domains, size_t eager_max)
-        : PyEngine(open(provider, nics, sources, hmem, ipc_device, markers, strict_mr, domains, eager_max), chaos_seed,
+              bool strict_mr, const std::vector<std::string>& domains, size_t eager_max, size_t list_pages)
+        : PyEngine(open(provider, nics, sources, hmem, ipc_device, markers, strict_mr, domains, eager_max, list_pages),
+                   chaos_seed,
                    cpu,
                    recv_depth, max_send),
           info_(engine().nic(0).info()),
@@ -63,6 +64,9 @@ class EfaEngine : public fabric::PyEngine<Domain> {
         d["strict_mr"] = info_.strict_mr;
         // lone writes of up to this many bytes go as eager frames (tcp; 0: none)
         d["eager_max"] = info_.eager_max;
+        // a paged request's pages go up to this many a write, one imm counting them all (tcp;
+        // 0: a write each)
+        d["list_pages"] = info_.list_pages;
         // the version of the engines' control frames: engines of another one cannot talk to
         // this one (docs/concepts/failures.md, "A peer of another fabric release")
         d["wire_protocol"] = int(fabric::kWireVersion);
@@ -87,16 +91,18 @@ class EfaEngine : public fabric::PyEngine<Domain> {
     // markers where the provider allows. ``strict_mr``: FI_MR_LOCAL's registrations, checked.
     // ``names``: empty, or the provider's domain each NIC opens ("": its first) (LibfabricDomain).
     // ``eager_max``: lone writes of up to this many bytes as eager frames, where allowed.
+    // ``list_pages``: a paged request's pages up to this many a write, where allowed.
     static std::vector<std::unique_ptr<Domain>> open(const std::string& provider, int nics,
                                                      const std::vector<std::string>& sources, bool hmem,
                                                      int ipc_device, bool markers, bool strict_mr,
-                                                     const std::vector<std::string>& names, size_t eager_max) {
+                                                     const std::vector<std::string>& names, size_t eager_max,
+                                                     size_t list_pages) {
         std::vector<std::unique_ptr<Domain>> domains;
         for (size_t i = 0; i < size_t(nics); i++)
             domains.push_back(std::make_unique<Domain>(ipc_device, provider, int(i), 4096,
                                                        i < sources.size() ? sources[i] : std::string(), hmem,
                                                        markers, strict_mr, i < names.size() ? names[i] : std::string(),
-                                                       eager_max));
+                                                       eager_max, list_pages));
         return domains;
     }
 
@@ -206,11 +212,11 @@ PYBIND11_MODULE(_efa, m) {
     engine
         .def(py::init<const std::string&, int, std::optional<uint64_t>, int, size_t, size_t,
                       const std::vector<std::string>&, bool, int, bool, bool, const std::vector<std::string>&,
-                      size_t>(),
+                      size_t, size_t>(),
              py::arg("provider"), py::arg("nics"), py::arg("chaos_seed"), py::arg("cpu"), py::arg("recv_depth"),
              py::arg("max_send"), py::arg("sources") = std::vector<std::string>(), py::arg("hmem") = false,
              py::arg("ipc_device") = -1, py::arg("markers") = true, py::arg("strict_mr") = false,
-             py::arg("domains") = std::vector<std::string>(), py::arg("eager_max") = 0)
+             py::arg("domains") = std::vector<std::string>(), py::arg("eager_max") = 0, py::arg("list_pages") = 0)
         .def("provider_info", &EfaEngine::provider_info)
         .def("inject_nic_failure", &EfaEngine::inject_nic_failure, py::arg("nic"), py::arg("failed"),
              py::arg("seed") = 0);

@@ -4,7 +4,7 @@ gets a frame of another version drops it, counts it (``frames_foreign``), notes 
 (``dump_state()["foreign_peers"]``) and tells it so, once a second at most; work that depends
 on such a peer fails with ``PeerIncompatible`` about a second after a probe went unanswered,
 not after the liveness timeout. The other release is played by an engine told to speak wire
-protocol 2 (``_speak_wire``); libfabric's shm and tcp providers, two engines in one process.
+protocol 3 (``_speak_wire``); libfabric's shm and tcp providers, two engines in one process.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ os.environ.setdefault("FI_TCP_IFACE", "lo")
 EngineFactory = Callable[..., EfaEngine]
 T = 20.0
 TCP = "tcp;ofi_rxm"
-OURS = 0x80 | 1
-OTHER = 0x80 | 2
+OURS = 0x80 | 2
+OTHER = 0x80 | 3
 PROVIDERS = ["shm", TCP]
 
 
@@ -51,9 +51,11 @@ def test_a_frame_of_another_wire_protocol_is_dropped_counted_and_answered(
         with pytest.raises(TransferTimeout):
             theirs.recv(timeout=0.3)
         assert _frames_foreign(theirs) == 1
-        assert _foreign(theirs) == [{"address": ours.address.raw.hex(), "wire": "wire protocol 1"}]
+        assert _foreign(theirs) == [
+            {"address": ours.address.raw.hex(), "wire": f"wire protocol {OURS & 0x7F}"}
+        ]
         # and it told ours so, in its own protocol: ours notes it, and hands nothing on either
-        them = [{"address": theirs.address.raw.hex(), "wire": "wire protocol 2"}]
+        them = [{"address": theirs.address.raw.hex(), "wire": f"wire protocol {OTHER & 0x7F}"}]
         assert _eventually(lambda: _foreign(ours) == them, 5.0), _foreign(ours)
         assert _frames_foreign(ours) == 1
         with pytest.raises(TransferTimeout):
@@ -86,7 +88,10 @@ def test_a_wait_naming_a_peer_of_another_wire_protocol_fails_in_seconds_naming_b
     ):
         theirs._core._speak_wire(OTHER)
         t0 = time.monotonic()
-        with pytest.raises(PeerIncompatible, match=r"wire protocol 2 and this engine wire protocol 1") as err:
+        with pytest.raises(
+            PeerIncompatible,
+            match=rf"wire protocol {OTHER & 0x7F} and this engine wire protocol {OURS & 0x7F}",
+        ) as err:
             ours.counter(5).wait(1, timeout=T, peer=theirs.address)
         took = time.monotonic() - t0
         assert took < 10.0, took
@@ -114,7 +119,7 @@ def test_a_write_that_goes_as_a_frame_to_a_peer_of_another_wire_protocol_fails_a
         src_mr, dst_mr = ours.register(src), theirs.register(dst)
         counter = theirs.counter(3)
         t0 = time.monotonic()
-        with pytest.raises(PeerIncompatible, match="wire protocol 2"):
+        with pytest.raises(PeerIncompatible, match=f"wire protocol {OTHER & 0x7F}"):
             ours.submit_write(src_mr, 0, 64, dst_mr.descriptor, 0, imm=3).wait(T)
         assert time.monotonic() - t0 < 10.0
         assert int(ours._core.stats()["eager_writes"]) == 1
@@ -135,7 +140,7 @@ def test_a_fence_to_a_peer_of_another_wire_protocol_gives_up_in_seconds(
     with efa_engine(provider) as ours, efa_engine(provider) as theirs:
         theirs._core._speak_wire(OTHER)
         t0 = time.monotonic()
-        with pytest.raises(PeerIncompatible, match="wire protocol 2") as err:
+        with pytest.raises(PeerIncompatible, match=f"wire protocol {OTHER & 0x7F}") as err:
             ours.fence([theirs.address], timeout=T)
         took = time.monotonic() - t0
         assert 0.9 < took < 10.0, took

@@ -128,6 +128,13 @@ class FabricSettings(BaseSettings):
         "provider sends before it reports the imm. 0: every write through the provider. "
         "Both sides must run a fabric that knows these frames.",
     )
+    efa_list_pages: Annotated[int, Field(ge=1, le=8)] = Field(
+        4,
+        description="On tcp;ofi_rxm, the pages of a paged request to one NIC go up to this "
+        "many per write: one write scattering them, whose imm the target counts once per "
+        "page. Capped at the provider's iov limits; 1: every page its own write. Both sides "
+        "must run a fabric of the same wire protocol.",
+    )
     efa_strict_mr: bool = Field(
         False,
         description="A test mode: register every local buffer handed to the provider and pass "

@@ -90,7 +90,7 @@
 //    posted: A counts 1 imm, not 2 (before, the worker went on posting through its step and
 //    close()'s grace, landing bytes of a transfer already failed).
 // 21. A peer of another fabric release (another wire protocol: Engine::speak_wire). A speaks
-//    wire protocol 2, B protocol 1; B writes to A with its completions held, its liveness
+//    the next wire protocol, B this one; B writes to A with its completions held, its liveness
 //    timeout 30 s. B's probes reach A as frames A cannot read: A counts them (frames_foreign)
 //    and tells B, at most once a second, in its own protocol; B counts that, notes A as
 //    speaking protocol 2, and loses A about a second after its probe went unanswered: the
@@ -713,9 +713,9 @@ void paged_requests_as_lists() {
     to->rkeys.push_back(p.a->nic(0).register_remote(region.data(), region.size()));
     to->remote_base = reinterpret_cast<uint64_t>(region.data());
     auto& nic = p.b->nic(0);
-    CHECK(!p.b->takes_lists(to->rkeys[0]));
+    CHECK(p.b->list_pages(to->rkeys[0]) == 0);
     nic.list_rkey = to->rkeys[0];
-    CHECK(p.b->takes_lists(to->rkeys[0]) && !p.b->takes_lists(to->rkeys[0] + 1));
+    CHECK(p.b->list_pages(to->rkeys[0]) == 2048 && p.b->list_pages(to->rkeys[0] + 1) == 0);
     std::vector<uint32_t> slot(kPages);  // page i goes to slot (i * 211) % 512: scattered, distinct
     for (uint32_t i = 0; i < kPages; i++) slot[i] = (i * 211) % kSlots;
     auto list_request = [&](uint32_t imm, uint32_t bad_page, std::shared_ptr<fabric::Target> target = nullptr) {
@@ -1292,7 +1292,8 @@ void a_peer_of_another_wire_protocol() {
                 status, took, message.c_str(), pings.load(), notices.load(), (unsigned long long)a_foreign,
                 (unsigned long long)b_foreign);
     CHECK(status == fabric::kIncompatible && took < 10.0);
-    CHECK(message.find("wire protocol 2") != std::string::npos && message.find("wire protocol 1") != std::string::npos);
+    CHECK(message.find(fabric::wire_text(uint8_t(other))) != std::string::npos &&
+          message.find(fabric::wire_text(uint8_t(fabric::kWireByte))) != std::string::npos);
     CHECK(noted && a_foreign >= 1 && b_foreign >= 1);
     // told at most once a second, however often B asked
     CHECK(notices >= 1 && notices <= 1 + int(took));

@@ -172,6 +172,8 @@ def _details(info: dict[str, Any]) -> dict[str, str | int | bool]:
         "strict_mr": bool(info["strict_mr"]),
         # lone writes of up to this many bytes go as eager frames to the target's engine (tcp)
         "eager_max": int(info["eager_max"]),
+        # a paged request's pages go up to this many a write, one imm counting them all (tcp)
+        "list_pages": int(info["list_pages"]),
         # the engines' control-frame version: every engine of a job must speak the same
         "wire_protocol": int(info["wire_protocol"]),
     }
@@ -227,6 +229,7 @@ class EfaEngine(NativeEngine):
                 settings.efa_strict_mr,
                 domains,
                 settings.efa_eager_max,
+                settings.efa_list_pages,
             )
         except RuntimeError as exc:
             raise BackendUnavailable(

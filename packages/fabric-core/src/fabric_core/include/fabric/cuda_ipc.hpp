@@ -284,19 +284,28 @@ class CudaIpcDomain : public Inner {
         delete r;
     }
 
+    // ``w`` (a write to a host key of the peer) as the inner domain takes it: its source's
+    // inner descriptor. False where its source is CUDA memory, which goes only into the peer's
+    // CUDA memory: ``ctx`` is then failed (reported by the next poll).
+    bool for_inner(const WriteOp& w, void* ctx, WriteOp& x) {
+        const Region* src = static_cast<const Region*>(w.desc);
+        if (src && src->slot >= 0 && w.len) {
+            later(ctx, kRemoteAccess,
+                  "CUDA IPC: a CUDA source is written only into the peer's CUDA memory (this key is "
+                  "host memory there)");
+            return false;
+        }
+        x = w;
+        x.desc = src ? src->inner_desc : nullptr;
+        return true;
+    }
+
     int post_write(const WriteOp& w, void* ctx) {
         if (!ipc_) return Inner::post_write(w, ctx);
         const Region* src = static_cast<const Region*>(w.desc);
         if (!(w.rkey & kIpcKeyBit)) {
-            if (src && src->slot >= 0 && w.len) {
-                later(ctx, kRemoteAccess,
-                      "CUDA IPC: a CUDA source is written only into the peer's CUDA memory (this key is "
-                      "host memory there)");
-                return 0;
-            }
-            WriteOp x = w;
-            x.desc = src ? src->inner_desc : nullptr;
-            return Inner::post_write(x, ctx);
+            WriteOp x;
+            return for_inner(w, ctx, x) ? Inner::post_write(x, ctx) : 0;
         }
         Peer* pp = reachable(w.peer, ctx);
         if (pp == nullptr) return 0;
@@ -337,18 +346,27 @@ class CudaIpcDomain : public Inner {
         return 0;
     }
 
-    // Whether a paged request to ``rkey`` may come as lists (post_write_list): every write to
-    // the peer's CUDA memory.
-    bool takes_lists(uint64_t rkey) const { return ipc_ && (rkey & kIpcKeyBit); }
+    // The most pages of a list (post_write_list) a paged request to ``rkey`` may come as:
+    // kMaxListPages to the peer's CUDA memory, and as the inner domain takes them elsewhere.
+    size_t list_pages(uint64_t rkey) const {
+        if (ipc_ && (rkey & kIpcKeyBit)) return kMaxListPages;
+        return inner_list_pages(static_cast<const Inner&>(*this), rkey, 0);
+    }
 
     // ``n`` writes of ``w.len`` bytes, from ``srcs[i]`` to ``w.raddr + dsts[i]``, each carrying
     // ``w``'s imm, as one work request: every page is checked first (a refusal fails them all,
     // and nothing is copied), then copied as post_write copies it, and ``ctx`` is reported
     // once, after the last copy has completed and the n imms have been delivered (in one
     // inbox record where the peer has a lane).
+    // A list to any other key is the inner domain's (list_pages said so).
     int post_write_list(const WriteOp& w, const uint64_t* srcs, const uint64_t* dsts, size_t n, void* ctx) {
-        if (!ipc_ || !(w.rkey & kIpcKeyBit) || n == 0 || n > 0xffffffffu) {
-            later(ctx, kRemoteAccess, "CUDA IPC: a list of writes goes only to the peer's CUDA memory");
+        if (!ipc_) return inner_post_list(static_cast<Inner&>(*this), w, srcs, dsts, n, ctx, 0);
+        if (!(w.rkey & kIpcKeyBit)) {
+            WriteOp x;
+            return for_inner(w, ctx, x) ? inner_post_list(static_cast<Inner&>(*this), x, srcs, dsts, n, ctx, 0) : 0;
+        }
+        if (n == 0 || n > 0xffffffffu) {
+            later(ctx, kRemoteAccess, "CUDA IPC: an empty list of writes");
             return 0;
         }
         const Region* src = static_cast<const Region*>(w.desc);
@@ -408,6 +426,25 @@ class CudaIpcDomain : public Inner {
     }
 
   private:
+    // The inner domain's lists, where it has them (LibfabricDomain on tcp).
+    template <class D>
+    static auto inner_list_pages(const D& d, uint64_t rkey, int) -> decltype(size_t(d.list_pages(rkey))) {
+        return d.list_pages(rkey);
+    }
+    template <class D>
+    static size_t inner_list_pages(const D&, uint64_t, long) {
+        return 0;
+    }
+    template <class D>
+    static auto inner_post_list(D& d, const WriteOp& w, const uint64_t* srcs, const uint64_t* dsts, size_t n,
+                                void* ctx, int) -> decltype(int(d.post_write_list(w, srcs, dsts, n, ctx))) {
+        return d.post_write_list(w, srcs, dsts, n, ctx);
+    }
+    template <class D>
+    static int inner_post_list(D&, const WriteOp&, const uint64_t*, const uint64_t*, size_t, void*, long) {
+        return -ENOSYS;  // (list_pages said 0: never asked)
+    }
+
     struct Peer {
         uint64_t doorbell_addr = 0;
         uint64_t doorbell_key = 0;

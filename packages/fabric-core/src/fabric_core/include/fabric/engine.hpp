@@ -48,13 +48,16 @@
 //   bool nic_down() const;                               // a fault injected (tests): eager
 //                                                        // writes are not sent, and their
 //                                                        // acknowledgements are taken as lost
-// Optionally, lists (OpCtx::pages; the CUDA IPC domain has them):
-//   bool takes_lists(uint64_t rkey) const;               // a paged request to rkey may come
-//                                                        // as lists (asked from any thread)
+// Optionally, lists (OpCtx::pages; the CUDA IPC domain and fabric-efa's tcp domain have them):
+//   size_t list_pages(uint64_t rkey) const;              // a paged request to rkey may come
+//                                                        // as lists of at most this many pages
+//                                                        // (0: not as lists; asked from any
+//                                                        // thread)
 //   int post_write_list(const WriteOp& w, const uint64_t* src, const uint64_t* dst, size_t n,
 //                       void* ctx);                       // n writes of w.len bytes, src[i] to
 //                                                        // w.raddr + dst[i], each with w's imm;
 //                                                        // ctx reported once, for all of them
+//                                                        // (-EAGAIN: none of them was posted)
 // Sink callbacks: on_write_done(ctx), on_send_done(ctx), on_recv(ctx, len),
 //                 on_imm(uint32_t imm, uint64_t src), on_imms(imm, src, count) (count of one
 //                 imm), on_error(ctx, status, message);
@@ -137,9 +140,11 @@ namespace fabric {
 // Every control frame starts [wire byte][type][address length][sender's NIC 0 address]. That
 // prefix is the same in every fabric release, so that an engine can tell a frame it cannot
 // read, and who sent it (got_message, got_foreign). The wire byte is 0x80 | the wire protocol
-// version, which changes whenever the layout of any frame does; frames of fabric builds from
-// before the wire byte start with their type, below 0x80.
-inline constexpr uint8_t kWireVersion = 1;
+// version, which changes whenever the layout of any frame does, or the meaning of what a
+// write carries (version 2: the upper 32 bits of a write's 64-bit remote CQ data count the
+// pages it stands for, fabric-efa's lists on tcp; an engine of version 1 would count one);
+// frames of fabric builds from before the wire byte start with their type, below 0x80.
+inline constexpr uint8_t kWireVersion = 2;
 inline constexpr char kWireByte = static_cast<char>(0x80 | kWireVersion);
 
 // The type of a control frame that a domain, not the engine, sends to a peer engine's NIC 0
@@ -360,12 +365,16 @@ struct OpCtx {
     // A list op (pages > 0): ``pages`` writes of ``len`` bytes each, from the request's
     // list_src[first_page + i] to list_dst[first_page + i], handed to the domain in one
     // post_write_list and reported once, as one work request of the engine (see Request). Made
-    // only where the domain takes lists for the target (takes_lists: the CUDA IPC domain's
-    // copies, whose pages one kernel launch moves and whose imms one inbox record counts) and
+    // only where the domain takes lists for the target (list_pages: the CUDA IPC domain's
+    // copies, whose pages one kernel launch moves and whose imms one inbox record counts; tcp's
+    // writes of several pages, one imm standing for them all) and
     // only on NIC 0, whose work requests are never retried on another NIC one by one.
     uint32_t pages = 0;
     uint32_t first_page = 0;
 };
+
+// The most pages of one list op (OpCtx::pages), whatever the domain takes.
+inline constexpr size_t kMaxListPages = 2048;
 
 // Work requests an op stands for (a list op: its pages) and the bytes it moves.
 inline uint64_t op_wrs(const OpCtx& op) { return op.pages ? op.pages : 1; }
@@ -505,6 +514,7 @@ struct EngineStats {
     uint64_t eager_landed = 0;    // as a target: eager writes it applied
     uint64_t frames_truncated = 0;  // control frames larger than this engine's receive buffers
     uint64_t frames_foreign = 0;    // control frames of another wire protocol, dropped (got_foreign)
+    uint64_t list_ops = 0;          // list ops posted (OpCtx::pages: several pages a work request)
 };
 
 template <class Domain>
@@ -826,6 +836,7 @@ class Engine {
         s.eager_landed = eager_landed_.load();
         s.frames_truncated = frames_truncated_.load();
         s.frames_foreign = frames_foreign_.load();
+        s.list_ops = list_ops_.load();
         return s;
     }
 
@@ -1616,6 +1627,7 @@ class Engine {
                 if (op.pages) t.state->queued_lists++;
             }
             op.queued = capped;
+            if (op.pages) NicTraffic::bump(list_ops_);
             if (counted) ps.posted_here++;
             op.inbound = counted;
         } else if (counted) {
@@ -1630,7 +1642,7 @@ class Engine {
 
     // A list op to a domain that takes lists (post_write_list(w, src, dst, n, ctx): ``w`` as
     // for a single write of one page, its raddr the base the pages' offsets add to); the
-    // planner makes list ops only where takes_lists said yes, so the fallback never runs.
+    // planner makes list ops only where list_pages said yes, so the fallback never runs.
     template <class D>
     static auto post_list(D& d, const WriteOp& w, Request& r, OpCtx& op, int)
         -> decltype(d.post_write_list(w, static_cast<const uint64_t*>(nullptr), static_cast<const uint64_t*>(nullptr),
@@ -1653,12 +1665,12 @@ class Engine {
         return 0;
     }
     template <class D>
-    static auto takes_lists_of(const D& d, uint64_t rkey, int) -> decltype(d.takes_lists(rkey)) {
-        return d.takes_lists(rkey);
+    static auto list_pages_of(const D& d, uint64_t rkey, int) -> decltype(size_t(d.list_pages(rkey))) {
+        return d.list_pages(rkey);
     }
     template <class D>
-    static bool takes_lists_of(const D&, uint64_t, long) {
-        return false;
+    static size_t list_pages_of(const D&, uint64_t, long) {
+        return 0;
     }
     template <class D>
     static auto target_copies_of(const D& d, int) -> decltype(bool(d.target_copies())) {
@@ -1670,9 +1682,10 @@ class Engine {
     }
 
   public:
-    // Whether NIC 0's domain takes a paged request to ``rkey`` as list ops (OpCtx::pages).
-    // Any thread: a domain answers from what it fixed at open.
-    bool takes_lists(uint64_t rkey) const { return !nics_.empty() && takes_lists_of(*nics_[0], rkey, 0); }
+    // The most pages of a list op (OpCtx::pages) NIC 0's domain takes for a paged request to
+    // ``rkey`` (0: the pages go one work request each). Any thread: a domain answers from what
+    // it fixed at open.
+    size_t list_pages(uint64_t rkey) const { return nics_.empty() ? 0 : list_pages_of(*nics_[0], rkey, 0); }
 
   private:
     // Whether ``p`` is an engine of this process (LocalEndpoints); one atomic load unless an
@@ -2478,6 +2491,7 @@ class Engine {
         int32_t status;
         std::string message;
         uint64_t raddr;  // the write's remote address, as posted
+        uint64_t len;    // its bytes (a list op: the span from its lowest page to its highest)
     };
     struct AccessCheck {
         std::string to;  // the target's NIC 0 address
@@ -2496,6 +2510,13 @@ class Engine {
         if (t.state == nullptr || t.state->lost || op.nic >= t.rkeys.size() || op.nic >= nics_.size()) return false;
         uint64_t key = t.rkeys[op.nic];
         uint64_t raddr = (nics_[op.nic]->virt_addr() ? t.remote_base : 0) + op.dst_off;
+        uint64_t len = op.len;
+        if (op.pages) {  // its pages' span: a refusal of any page refuses the whole op
+            const uint64_t* dst = r.list_dst.data() + op.first_page;
+            auto [lo, hi] = std::minmax_element(dst, dst + op.pages);
+            raddr = (nics_[op.nic]->virt_addr() ? t.remote_base : 0) + *lo;
+            len = *hi - *lo + op.len;
+        }
         const std::string& to = t.state->address;
         auto it = std::find_if(access_checks_.begin(), access_checks_.end(), [&](const AccessCheck& c) {
             return c.to == to && c.nic == op.nic && c.key == key;
@@ -2510,7 +2531,7 @@ class Engine {
             access_checks_.push_back(std::move(c));
             it = std::prev(access_checks_.end());
         }
-        it->ops.push_back(AccessHeld{&op, status, message, raddr});
+        it->ops.push_back(AccessHeld{&op, status, message, raddr, len});
         return true;
     }
 
@@ -2552,7 +2573,7 @@ class Engine {
         const AccessFacts a = read_access(body);
         // Why the target would have refused a held write ("": it would have taken it).
         auto refusal = [&](const AccessHeld& h) {
-            return refusal_text(a.known, a.writable, a.base, a.len, h.raddr, h.op->len, c.key, c.nic);
+            return refusal_text(a.known, a.writable, a.base, a.len, h.raddr, h.len, c.key, c.nic);
         };
         std::vector<std::pair<AccessHeld*, std::string>> verdicts;
         for (auto& h : c.ops) verdicts.emplace_back(&h, h.op->request->abandoned ? std::string() : refusal(h));
@@ -3803,7 +3824,7 @@ class Engine {
     std::atomic<uint64_t> posted_{0}, completed_{0}, bytes_{0}, eagain_{0};
     std::atomic<uint64_t> probes_{0}, peers_lost_{0}, timeouts_{0}, retries_{0};
     std::atomic<uint64_t> reconciled_{0}, landed_unacked_{0}, makeups_{0}, unreconciled_{0};
-    std::atomic<uint64_t> eager_writes_{0}, eager_landed_{0}, frames_truncated_{0}, frames_foreign_{0};
+    std::atomic<uint64_t> eager_writes_{0}, eager_landed_{0}, frames_truncated_{0}, frames_foreign_{0}, list_ops_{0};
     std::thread worker_;
 };
 

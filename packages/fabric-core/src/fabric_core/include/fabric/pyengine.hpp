@@ -130,7 +130,7 @@ class PyEngine {
             fast::Classes{std::move(sharded), std::move(pinned), std::move(shard_peers), std::move(descriptor),
                           std::move(scatter_target)},
             guarded);
-        fast_->set_lists([this](uint64_t rkey) { return engine_ && engine_->takes_lists(rkey); });
+        fast_->set_lists([this](uint64_t rkey) { return engine_ ? engine_->list_pages(rkey) : size_t(0); });
     }
 
     // The MemoryRegion made for registration ``token``: requests naming it may take the fast path.
@@ -334,6 +334,7 @@ class PyEngine {
         d["eager_landed"] = s.eager_landed;
         d["frames_truncated"] = s.frames_truncated;
         d["frames_foreign"] = s.frames_foreign;
+        d["list_ops"] = s.list_ops;
         return d;
     }
 

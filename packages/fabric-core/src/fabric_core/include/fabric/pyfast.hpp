@@ -65,8 +65,8 @@ class FastPlanner {
         regions_.erase(it->second);
         handles_.erase(it);
     }
-    // Whether NIC 0's domain takes a paged request to a key as list ops (Engine::takes_lists).
-    void set_lists(std::function<bool(uint64_t)> lists) { lists_ = std::move(lists); }
+    // The most pages of a list op NIC 0's domain takes for a key (Engine::list_pages; 0: none).
+    void set_lists(std::function<size_t(uint64_t)> lists) { lists_ = std::move(lists); }
 
     // WriteRequest(src, src_offset, length, dst, dst_offset, imm, routing).
     std::unique_ptr<Request> write(uint64_t id, PyObject* src, PyObject* src_off, PyObject* length, PyObject* dst,
@@ -130,24 +130,27 @@ class FastPlanner {
         }
         auto req = start(id, value, reg, t);
         const std::vector<uint64_t>& rkeys = t->target->rkeys;
-        if (plen > 0 && plen <= max_msg_ && count > 1 && count < (size_t(1) << 32) &&
-            (route.pin ? route.k == 0 : n_ == 1) && lists_ &&
-            !rkeys.empty() && lists_(rkeys[0])) {
+        const size_t per_list = plen > 0 && plen <= max_msg_ && count > 1 && count < (size_t(1) << 32) &&
+                                        (route.pin ? route.k == 0 : n_ == 1) && lists_ && !rkeys.empty()
+                                    ? std::min(lists_(rkeys[0]), kMaxListPages)
+                                    : 0;
+        if (per_list > 1) {
             // NIC 0's domain takes the pages as lists (the CUDA IPC domain: one kernel launch
-            // moves them, one inbox record counts their imms): kMaxListPages a work request of
-            // the engine instead of one each
+            // moves them, one inbox record counts their imms; tcp: a write of several pages
+            // whose one imm counts them all): up to per_list pages a work request of the engine
+            // instead of one each
             req->list_src.resize(count);
             req->list_dst.resize(count);
             for (size_t i = 0; i < count; i++) {
                 req->list_src[i] = reg->ptr + so + static_cast<uint64_t>(sp(i)) * ss;
                 req->list_dst[i] = dof + static_cast<uint64_t>(dp(i)) * ds;
             }
-            req->ops.reserve((count + kMaxListPages - 1) / kMaxListPages);
-            for (size_t at = 0; at < count; at += kMaxListPages) {
+            req->ops.reserve((count + per_list - 1) / per_list);
+            for (size_t at = 0; at < count; at += per_list) {
                 OpCtx& op = req->ops.emplace_back();
                 op.len = plen;
                 op.first_page = static_cast<uint32_t>(at);
-                op.pages = static_cast<uint32_t>(std::min(kMaxListPages, count - at));
+                op.pages = static_cast<uint32_t>(std::min(per_list, count - at));
                 req->list_extra += op.pages - 1;
             }
             return req;
@@ -253,7 +256,6 @@ class FastPlanner {
     };
 
     static constexpr size_t kMaxTargets = 4096;
-    static constexpr size_t kMaxListPages = 2048;  // pages of one list op at most
 
     struct Names {
         PyObject *nics, *nic, *writable, *length, *ptr, *address, *raw, *rkey, *dst, *src_offset, *dst_offset;
@@ -400,7 +402,7 @@ class FastPlanner {
     uint64_t max_msg_;
     Classes classes_;
     bool guarded_;
-    std::function<bool(uint64_t)> lists_;
+    std::function<size_t(uint64_t)> lists_;
     std::unordered_map<PyObject*, Region> regions_;  // by the bound MemoryRegion's identity
     std::unordered_map<uint64_t, PyObject*> handles_;  // region handle -> its key in regions_
     std::unordered_map<PyObject*, TargetEntry> targets_;
