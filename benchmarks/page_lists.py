@@ -66,11 +66,9 @@ def main() -> None:
         order = names[r % len(names) :] + names[: r % len(names)]
         got = {name: steps[name]() for name in order}
         rounds.append(got)
-        print(
-            f"round {r + 1}: " + ", ".join(f"{k} {got[k] / 1e3:.0f}k" for k in names)
-            + f"; lists/none {got['pages_4'] / got['pages_1']:.2f}",
-            flush=True,
-        )
+        line = f"round {r + 1}: " + ", ".join(f"{k} {got[k] / 1e3:.0f}k" for k in names)
+        sys.stdout.write(line + f"; lists/none {got['pages_4'] / got['pages_1']:.2f}\n")
+        sys.stdout.flush()
 
     def med(f: Any) -> float:
         return statistics.median(f(x) for x in rounds)
@@ -86,7 +84,7 @@ def main() -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "page-lists.json").write_text(json.dumps(summary, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in summary.items() if k != "rounds"}, indent=1))
+    sys.stdout.write(json.dumps({k: v for k, v in summary.items() if k != "rounds"}, indent=1) + "\n")
     try:
         import matplotlib
 
