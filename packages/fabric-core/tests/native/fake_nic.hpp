@@ -171,7 +171,7 @@ class FakeNic {
         }
         return 0;
     }
-    size_t list_pages(uint64_t rkey) const { return rkey != 0 && rkey == list_rkey.load() ? 2048 : 0; }
+    size_t list_pages(uint64_t rkey) const { return rkey != 0 && rkey == list_rkey.load() ? fabric::kMaxListPages : 0; }
     std::vector<uint64_t> list_order() {
         std::lock_guard<std::mutex> lock(mu_);
         return list_order_;

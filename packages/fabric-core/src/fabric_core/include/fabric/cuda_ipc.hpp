@@ -350,7 +350,7 @@ class CudaIpcDomain : public Inner {
     // kMaxListPages to the peer's CUDA memory, and as the inner domain takes them elsewhere.
     size_t list_pages(uint64_t rkey) const {
         if (ipc_ && (rkey & kIpcKeyBit)) return kMaxListPages;
-        return inner_list_pages(static_cast<const Inner&>(*this), rkey, 0);
+        return domain_list_pages(static_cast<const Inner&>(*this), rkey, 0);
     }
 
     // ``n`` writes of ``w.len`` bytes, from ``srcs[i]`` to ``w.raddr + dsts[i]``, each carrying
@@ -360,10 +360,10 @@ class CudaIpcDomain : public Inner {
     // inbox record where the peer has a lane).
     // A list to any other key is the inner domain's (list_pages said so).
     int post_write_list(const WriteOp& w, const uint64_t* srcs, const uint64_t* dsts, size_t n, void* ctx) {
-        if (!ipc_) return inner_post_list(static_cast<Inner&>(*this), w, srcs, dsts, n, ctx, 0);
+        if (!ipc_) return domain_post_list(static_cast<Inner&>(*this), w, srcs, dsts, n, ctx, 0);
         if (!(w.rkey & kIpcKeyBit)) {
             WriteOp x;
-            return for_inner(w, ctx, x) ? inner_post_list(static_cast<Inner&>(*this), x, srcs, dsts, n, ctx, 0) : 0;
+            return for_inner(w, ctx, x) ? domain_post_list(static_cast<Inner&>(*this), x, srcs, dsts, n, ctx, 0) : 0;
         }
         if (n == 0 || n > 0xffffffffu) {
             later(ctx, kRemoteAccess, "CUDA IPC: an empty list of writes");
@@ -426,25 +426,6 @@ class CudaIpcDomain : public Inner {
     }
 
   private:
-    // The inner domain's lists, where it has them (LibfabricDomain on tcp).
-    template <class D>
-    static auto inner_list_pages(const D& d, uint64_t rkey, int) -> decltype(size_t(d.list_pages(rkey))) {
-        return d.list_pages(rkey);
-    }
-    template <class D>
-    static size_t inner_list_pages(const D&, uint64_t, long) {
-        return 0;
-    }
-    template <class D>
-    static auto inner_post_list(D& d, const WriteOp& w, const uint64_t* srcs, const uint64_t* dsts, size_t n,
-                                void* ctx, int) -> decltype(int(d.post_write_list(w, srcs, dsts, n, ctx))) {
-        return d.post_write_list(w, srcs, dsts, n, ctx);
-    }
-    template <class D>
-    static int inner_post_list(D&, const WriteOp&, const uint64_t*, const uint64_t*, size_t, void*, long) {
-        return -ENOSYS;  // (list_pages said 0: never asked)
-    }
-
     struct Peer {
         uint64_t doorbell_addr = 0;
         uint64_t doorbell_key = 0;

@@ -376,6 +376,26 @@ struct OpCtx {
 // The most pages of one list op (OpCtx::pages), whatever the domain takes.
 inline constexpr size_t kMaxListPages = 2048;
 
+// A domain's lists, where it has them (list_pages, post_write_list: see the top of this file);
+// shared by the engine and by domains that wrap another (fabric/cuda_ipc.hpp).
+template <class D>
+auto domain_list_pages(const D& d, uint64_t rkey, int) -> decltype(size_t(d.list_pages(rkey))) {
+    return d.list_pages(rkey);
+}
+template <class D>
+size_t domain_list_pages(const D&, uint64_t, long) {
+    return 0;
+}
+template <class D>
+auto domain_post_list(D& d, const WriteOp& w, const uint64_t* src, const uint64_t* dst, size_t n, void* ctx, int)
+    -> decltype(int(d.post_write_list(w, src, dst, n, ctx))) {
+    return d.post_write_list(w, src, dst, n, ctx);
+}
+template <class D>
+int domain_post_list(D&, const WriteOp&, const uint64_t*, const uint64_t*, size_t, void*, long) {
+    return -ENOSYS;  // (the domain's list_pages said 0: never asked)
+}
+
 // Work requests an op stands for (a list op: its pages) and the bytes it moves.
 inline uint64_t op_wrs(const OpCtx& op) { return op.pages ? op.pages : 1; }
 inline uint64_t op_bytes(const OpCtx& op) { return op.mode == OpCtx::kImmOnly ? 0 : op.len * op_wrs(op); }
@@ -1615,7 +1635,7 @@ class Engine {
             if (counted) ps.inbound->fetch_sub(1, std::memory_order_seq_cst);
             return kGone;
         }
-        int rc = op.pages                  ? post_list(*nics_[n], w, r, op, 0)
+        int rc = op.pages                  ? post_list(*nics_[n], w, r, op)
                  : eager_fits(n, w, op)    ? post_eager(w, op, *t.state)
                                            : nics_[n]->post_write(w, &op);
         if (rc == 0) {
@@ -1643,16 +1663,9 @@ class Engine {
     // A list op to a domain that takes lists (post_write_list(w, src, dst, n, ctx): ``w`` as
     // for a single write of one page, its raddr the base the pages' offsets add to); the
     // planner makes list ops only where list_pages said yes, so the fallback never runs.
-    template <class D>
-    static auto post_list(D& d, const WriteOp& w, Request& r, OpCtx& op, int)
-        -> decltype(d.post_write_list(w, static_cast<const uint64_t*>(nullptr), static_cast<const uint64_t*>(nullptr),
-                                      size_t(0), static_cast<void*>(nullptr))) {
-        return d.post_write_list(w, r.list_src.data() + op.first_page, r.list_dst.data() + op.first_page, op.pages,
-                                 &op);
-    }
-    template <class D>
-    static int post_list(D&, const WriteOp&, Request&, OpCtx&, long) {
-        return -ENOSYS;
+    static int post_list(Domain& d, const WriteOp& w, Request& r, OpCtx& op) {
+        return domain_post_list(d, w, r.list_src.data() + op.first_page, r.list_dst.data() + op.first_page, op.pages,
+                                &op, 0);
     }
     // A domain's abort_path(peer address) where it has one: resets its connections to the
     // peer's endpoint (see PathState::cut_until); how many.
@@ -1662,14 +1675,6 @@ class Engine {
     }
     template <class D>
     static size_t abort_path_of(D&, const std::string&, long) {
-        return 0;
-    }
-    template <class D>
-    static auto list_pages_of(const D& d, uint64_t rkey, int) -> decltype(size_t(d.list_pages(rkey))) {
-        return d.list_pages(rkey);
-    }
-    template <class D>
-    static size_t list_pages_of(const D&, uint64_t, long) {
         return 0;
     }
     template <class D>
@@ -1685,7 +1690,7 @@ class Engine {
     // The most pages of a list op (OpCtx::pages) NIC 0's domain takes for a paged request to
     // ``rkey`` (0: the pages go one work request each). Any thread: a domain answers from what
     // it fixed at open.
-    size_t list_pages(uint64_t rkey) const { return nics_.empty() ? 0 : list_pages_of(*nics_[0], rkey, 0); }
+    size_t list_pages(uint64_t rkey) const { return nics_.empty() ? 0 : domain_list_pages(*nics_[0], rkey, 0); }
 
   private:
     // Whether ``p`` is an engine of this process (LocalEndpoints); one atomic load unless an
