@@ -194,14 +194,21 @@ def test_cut_off_peer_fails_both_sides_and_is_reachable_once_back(fault: str) ->
 def test_restarted_peer_at_the_same_address_is_reachable_again() -> None:
     with hosts(2) as h:
         h.lab.env[1] = {"FI_TCP_PORT_LOW_RANGE": "47123", "FI_TCP_PORT_HIGH_RANGE": "47123"}
-        a, b = h.engine(0), h.engine(1)
+        # The writer's liveness timeout is 3 s, not LIVE's 1 s: its first write to the
+        # restarted peer opens a new TCP connection, and Linux resends a lost SYN after 1 s
+        # (then 3 s). With a 1 s timeout, 1 run in about 30 failed with "a liveness probe could
+        # not even be posted in 1.005 s" and the write landing just after: most likely one lost
+        # SYN, the connection coming up as the probe that waited for it ran out.
+        timeout = 3.0
+        a, b = h.engine(0, liveness_timeout_s=timeout), h.engine(1)
         src = h.data(MiB, 5)
         mr = a.register(src)
         desc = b.register(h.pool.alloc(MiB)).descriptor
         a.submit_write(mr, 0, 4096, desc, 0).wait(10)
         old_address = b.address
         h.lab.kill(1)
-        exc = _ends(a.submit_write(mr, 0, MiB, desc, 0, imm=10), DETECT)
+        detect = DETECT - LIVE["liveness_timeout_s"] + timeout
+        exc = _ends(a.submit_write(mr, 0, MiB, desc, 0, imm=10), detect)
         assert isinstance(exc, PeerUnreachable), repr(exc)
         h.lab.restart(1)
         b2 = h.engine(1)

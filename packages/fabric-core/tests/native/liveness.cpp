@@ -911,10 +911,15 @@ void the_worker_steps_aside_for_a_spinner() {
     auto third_e = p.third("e", table);
     auto& e = third_e->engine;
     const auto& et = third_e->target;
-    auto deferring = [&e] {  // the worker steps aside (looked for up to 5 s)
-        for (int i = 0; i < 5000 && !e->dump().worker_deferring; i++)
+    // The worker steps aside (looked for up to 5 s). What a look saw is the answer: a second
+    // look may fall between two of its naps (it stores false, then true again once it loops;
+    // preempted in between on a busy 2-core machine, it reads false for a while).
+    auto deferring = [&e] {
+        for (int i = 0; i < 5000; i++) {
+            if (e->dump().worker_deferring) return true;
             std::this_thread::sleep_for(std::chrono::milliseconds(1));
-        return e->dump().worker_deferring;
+        }
+        return false;
     };
     auto wakes = [&e] { return e->dump().spinner_wakes; };
     auto spin_on = [&table](uint32_t imm, std::chrono::milliseconds limit, std::atomic<int>& rc) {

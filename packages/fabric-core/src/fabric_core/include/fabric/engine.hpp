@@ -1053,6 +1053,17 @@ class Engine {
     EngineDump dump() {
         std::unique_lock<std::timed_mutex> lock(progress_mu_, std::defer_lock);
         EngineDump out;
+        // The worker's and the spinners' atomics first: a dump that cannot take the lock (a
+        // thread spinning on a counter holds it for most of each of its steps) still tells
+        // them. Before, such a dump said the worker was not stepping aside while it was.
+        out.counter_spinners = spinners_.load(std::memory_order_seq_cst);
+        out.worker_deferring = deferring_.load(std::memory_order_seq_cst);
+        out.spinner_wakes = spinner_wakes_.load(std::memory_order_relaxed);
+        out.worker_naps = worker_naps_.load(std::memory_order_relaxed);
+        out.provider_steps = provider_steps_.load(std::memory_order_relaxed);
+        out.worker_yields = worker_yields_.load(std::memory_order_relaxed);
+        out.lone_yields = lone_yields_.load(std::memory_order_relaxed);
+        out.drainers = drainers_.load(std::memory_order_seq_cst);
         if (!take_progress(lock, Clock::now() + kDiagnosticWait)) {
             out.progress_stuck_s = stalled_for();
             return out;
@@ -1072,14 +1083,6 @@ class Engine {
         for (const auto& [to, due] : acks_) out.acks_due += due.size() / kAckEntry;
         out.imms_without_source = sourceless_;
         out.imms_unattributed = unattributed_;
-        out.counter_spinners = spinners_.load(std::memory_order_seq_cst);
-        out.worker_deferring = deferring_.load(std::memory_order_seq_cst);
-        out.spinner_wakes = spinner_wakes_.load(std::memory_order_relaxed);
-        out.worker_naps = worker_naps_.load(std::memory_order_relaxed);
-        out.provider_steps = provider_steps_.load(std::memory_order_relaxed);
-        out.worker_yields = worker_yields_.load(std::memory_order_relaxed);
-        out.lone_yields = lone_yields_.load(std::memory_order_relaxed);
-        out.drainers = drainers_.load(std::memory_order_seq_cst);
         for (const auto& c : access_checks_) out.access_checks.push_back({c.to, c.nic, c.key, secs(now - c.asked), c.ops.size()});
         for (const auto& [id, r] : live_) {
             RequestView v{};
