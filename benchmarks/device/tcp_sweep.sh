@@ -10,6 +10,6 @@ export PYTHONPATH=$PWD/packages/fabric-core/src:$PWD/packages/fabric-sim/src:$PW
 cc -O2 -Wall -I/tmp/fabric-fi/include -o /tmp/fi_ceiling benchmarks/ceiling/fi_ceiling.c -L/tmp/fabric-fi/lib -lfabric
 mkdir -p /tmp/res
 timeout 420 python3 benchmarks/efa_vs_ceiling.py /tmp/fi_ceiling /tmp/res/ceiling --reps 3 --providers tcp --paired > /tmp/res/ceiling.log 2>&1
-nproc > /tmp/res/nproc.txt; lscpu > /tmp/res/lscpu.txt
+nproc --all > /tmp/res/nproc.txt; lscpu > /tmp/res/lscpu.txt
 (cd /tmp/res && tar czf $O/res.tgz .)
 tail -8 /tmp/res/ceiling.log
