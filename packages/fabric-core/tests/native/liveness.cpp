@@ -368,6 +368,13 @@ void a_worker_stuck_in_the_provider() {
     std::printf("stuck worker: dump after %.3f s says stuck for %.3f s; fence gave up after %.3f s\n", dumped,
                 dump.progress_stuck_s, fenced);
     CHECK(dump.progress_stuck_s >= 0.3 && dump.requests.empty() && dumped < 1.0);
+    {  // the atomics come without the lock: a thread draining meanwhile is told
+        std::thread drainer([&p] { p.b->drain(1.0); });
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        fabric::EngineDump during = p.b->dump();
+        drainer.join();
+        CHECK(during.progress_stuck_s >= 0.3 && during.drainers == 1);
+    }
     CHECK(unfenced.size() == 1 && fenced < 1.0 && no_peers);
     t0 = Clock::now();
     bool joined = p.b->close(0.2);
